@@ -1,0 +1,128 @@
+"""vLLM general plugin (entry point ``vllm.general_plugins: lynx``).
+
+vLLM calls :func:`register` in every process it starts (API server, engine core, workers) and again
+from ``AsyncEngineArgs.add_cli_args`` right before ``EngineArgs.add_cli_args`` builds the CLI parser
+(vllm/engine/arg_utils.py in 0.32). It must therefore be idempotent and must never raise.
+
+It does two things:
+
+1. registers ``LynxConnector`` with ``KVConnectorFactory`` (lazy: the connector module is imported only
+   when a connector is created), so ``{"kv_connector": "LynxConnector"}`` works without
+   ``kv_connector_module_path`` and ``get_connector_class_by_name`` finds it;
+2. installs the ``--kv-transfer-config lynx`` preset (see :mod:`lynx_connector.presets`): it wraps
+   ``EngineArgs.add_cli_args`` and, on each parser it builds, wraps the ``type`` callable of the
+   ``--kv-transfer-config`` action so that a preset value is expanded to JSON before vLLM's own
+   dataclass parser sees it. JSON values, dotted keys (FlexibleArgumentParser turns them into JSON)
+   and ``--config file.yaml`` (turned into ordinary arguments) all go through the same callable.
+
+If a vLLM version lacks one of these hook points, a warning is logged and the rest keeps working.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from lynx_connector.logger import init_logger
+from lynx_connector.presets import (
+    CONNECTOR_MODULE,
+    CONNECTOR_NAME,
+    PresetError,
+    expand_kv_transfer_config,
+    preset_names,
+)
+
+logger = init_logger(__name__)
+
+KV_TRANSFER_OPTION = "--kv-transfer-config"
+_WRAPPED_MARK = "_lynx_preset_wrapped"
+
+
+def register() -> None:
+    """Entry point for ``vllm.general_plugins``; safe to call any number of times."""
+    try:
+        register_connector()
+    except Exception:  # never break vLLM's start-up because of the plugin
+        logger.warning("Lynx plugin: registering %s failed", CONNECTOR_NAME, exc_info=True)
+    try:
+        install_preset_hook()
+    except Exception:
+        logger.warning("Lynx plugin: installing the --kv-transfer-config preset failed", exc_info=True)
+
+
+def register_connector() -> bool:
+    """Register LynxConnector with vLLM's factory; True when this call registered it."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    registry = getattr(KVConnectorFactory, "_registry", None)
+    if isinstance(registry, dict) and CONNECTOR_NAME in registry:
+        return False
+    try:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+    except ValueError:  # registered meanwhile (the factory raises on duplicates)
+        return False
+    logger.debug("Lynx plugin: registered %s from %s", CONNECTOR_NAME, CONNECTOR_MODULE)
+    return True
+
+
+def install_preset_hook() -> bool:
+    """Wrap ``EngineArgs.add_cli_args`` so every vLLM parser understands the presets.
+
+    Returns True when the hook is in place (now or from an earlier call)."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except Exception:
+        logger.warning("Lynx plugin: vllm.engine.arg_utils.EngineArgs not importable; "
+                       "--kv-transfer-config presets disabled (use JSON or dotted keys)")
+        return False
+    original = getattr(EngineArgs, "add_cli_args", None)
+    if not callable(original):
+        logger.warning("Lynx plugin: EngineArgs.add_cli_args not found in this vLLM; "
+                       "--kv-transfer-config presets disabled (use JSON or dotted keys)")
+        return False
+    if getattr(original, _WRAPPED_MARK, False):
+        return True
+
+    @functools.wraps(original)
+    def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(parser, *args, **kwargs)
+        try:
+            patch_parser(result if result is not None else parser)
+        except Exception:
+            logger.warning("Lynx plugin: could not patch %s; presets disabled", KV_TRANSFER_OPTION,
+                           exc_info=True)
+        return result
+
+    setattr(add_cli_args, _WRAPPED_MARK, True)
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)  # type: ignore[method-assign]
+    return True
+
+
+def _wrap_type(original: Callable[[str], Any] | None) -> Callable[[str], Any]:
+    def parse_kv_transfer_config(value: str) -> Any:
+        try:
+            expanded = expand_kv_transfer_config(value)
+        except PresetError as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+        if expanded is not None:
+            logger.info("Lynx preset %r expanded to --kv-transfer-config %s", value, expanded)
+            value = expanded
+        return original(value) if original is not None else value
+
+    setattr(parse_kv_transfer_config, _WRAPPED_MARK, True)
+    return parse_kv_transfer_config
+
+
+def patch_parser(parser: argparse.ArgumentParser) -> bool:
+    """Wrap the ``type`` of the parser's ``--kv-transfer-config`` action (idempotent)."""
+    for action in getattr(parser, "_actions", []):
+        if KV_TRANSFER_OPTION in getattr(action, "option_strings", ()):
+            if not getattr(action.type, _WRAPPED_MARK, False):
+                action.type = _wrap_type(action.type)
+                if action.help and "lynx" not in action.help:
+                    action.help += "\n\nLynx presets: " + ", ".join(preset_names())
+            return True
+    logger.warning("Lynx plugin: no %s option on this parser; presets disabled", KV_TRANSFER_OPTION)
+    return False

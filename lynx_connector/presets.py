@@ -1,0 +1,120 @@
+"""``--kv-transfer-config`` presets: short names that expand into the full KVTransferConfig JSON.
+
+Pure data and string handling, no vLLM import, so it is unit-testable anywhere. ``plugin.py`` wires
+:func:`expand_kv_transfer_config` in front of vLLM's own parser for ``--kv-transfer-config``.
+
+Accepted forms (case-insensitive, surrounding whitespace ignored):
+
+* ``lynx``                      -> LynxConnector, mode ``full``
+* ``lynx:<mode>``               -> LynxConnector with that mode, one of :data:`PRESET_MODES`
+                                   (``speculative`` additionally needs the Lynx scheduler, see issue 5)
+* JSON whose ``kv_connector`` is one of the names above, e.g. what dotted keys produce::
+
+      --kv-transfer-config.kv_connector lynx:int8 \\
+      --kv-transfer-config.kv_connector_extra_config.link_gbps 10
+
+  The preset is the base and every key given in the JSON overrides it (nested dicts merged).
+
+Anything else (ordinary JSON, other connectors, unparsable text) is not a preset: the function returns
+``None`` and vLLM parses the value unchanged.
+
+Every preset uses ``kv_role="kv_both"``: one config serves P and D pods; the per-request role comes from
+``kv_transfer_params`` sent by the proxy (``do_remote_decode`` on P, ``do_remote_prefill`` on D).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+PRESET_PREFIX = "lynx"
+CONNECTOR_NAME = "LynxConnector"
+CONNECTOR_MODULE = "lynx_connector.connector"
+
+PRESET_MODES: tuple[str, ...] = ("full", "anchor", "speculative", "bf16", "fp8", "int8", "int4")
+DEFAULT_MODE = "full"
+
+
+class PresetError(ValueError):
+    """A value that names a Lynx preset but is not a valid one (e.g. ``lynx:int3``)."""
+
+
+def preset_names() -> list[str]:
+    """All accepted preset spellings, for help texts and error messages."""
+    return [PRESET_PREFIX] + [f"{PRESET_PREFIX}:{mode}" for mode in PRESET_MODES]
+
+
+def preset_config(mode: str = DEFAULT_MODE) -> dict[str, Any]:
+    """The full KVTransferConfig dict for one mode (a fresh copy each call)."""
+    if mode not in PRESET_MODES:
+        raise PresetError(
+            f"unknown Lynx preset mode {mode!r}; valid presets: {', '.join(preset_names())}"
+        )
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"mode": mode},
+    }
+
+
+def _preset_mode(name: str) -> str | None:
+    """Mode named by a preset string, None when ``name`` is not a Lynx preset, PresetError when it is
+    a malformed one."""
+    text = name.strip().lower()
+    if text == PRESET_PREFIX:
+        return DEFAULT_MODE
+    if not text.startswith(PRESET_PREFIX + ":"):
+        return None
+    mode = text[len(PRESET_PREFIX) + 1 :].strip()
+    if mode not in PRESET_MODES:
+        raise PresetError(
+            f"unknown Lynx preset {name.strip()!r}; valid presets: {', '.join(preset_names())}"
+        )
+    return mode
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def expand_preset_dict(config: dict[str, Any]) -> dict[str, Any] | None:
+    """Expand a config dict whose ``kv_connector`` names a preset; None when it does not."""
+    connector = config.get("kv_connector")
+    if not isinstance(connector, str):
+        return None
+    mode = _preset_mode(connector)
+    if mode is None:
+        return None
+    overrides = {k: v for k, v in config.items() if k != "kv_connector"}
+    return _deep_merge(preset_config(mode), overrides)
+
+
+def expand_kv_transfer_config(value: str) -> str | None:
+    """Expanded JSON for a preset value of ``--kv-transfer-config``; None when ``value`` is no preset.
+
+    Raises :class:`PresetError` for a malformed preset such as ``lynx:int3``.
+    """
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    if not text.startswith("{"):
+        mode = _preset_mode(text)
+        return None if mode is None else json.dumps(preset_config(mode))
+    if PRESET_PREFIX not in text.lower():  # cheap exit for every ordinary JSON config
+        return None
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError:
+        return None  # leave it to vLLM (it also accepts human-readable numbers such as 1k)
+    if not isinstance(parsed, dict):
+        return None
+    expanded = expand_preset_dict(parsed)
+    return None if expanded is None else json.dumps(expanded)
