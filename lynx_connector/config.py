@@ -1,0 +1,152 @@
+"""The connector's typed configuration, built once from ``kv_transfer_config.kv_connector_extra_config``.
+
+One source of truth: the extra config. Values may arrive as strings (dotted CLI keys, YAML, environment), so
+numbers and booleans are parsed here; unknown keys are warned about (a typo must not pass silently) and bad
+values raise ``LynxConfigError`` naming the key. The resolved config is logged once by the connector.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lynx_connector.logger import init_logger
+
+logger = init_logger(__name__)
+
+#: Two-stream Lynx modes and the single-stream baselines that go through the same connector.
+LYNX_MODES = ("full", "anchor", "speculative")
+BASELINE_MODES = ("bf16", "fp8", "int8", "int4", "int4_kivi")
+MODES = LYNX_MODES + BASELINE_MODES
+
+
+class LynxConfigError(ValueError):
+    """A configuration value is invalid; the message names the key and what is accepted."""
+
+
+def _as_float(key: str, value: Any, *, minimum: float | None = None, allow_none: bool = False) -> float | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+        if allow_none:
+            return None
+        raise LynxConfigError(f"{key}: a number is required")
+    if isinstance(value, bool):
+        raise LynxConfigError(f"{key}: expected a number, got {value!r}")
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise LynxConfigError(f"{key}: expected a number, got {value!r}") from None
+    if not math.isfinite(out):
+        raise LynxConfigError(f"{key}: must be finite, got {value!r}")
+    if minimum is not None and out < minimum:
+        raise LynxConfigError(f"{key}: must be >= {minimum}, got {value!r}")
+    return out
+
+
+def _as_int(key: str, value: Any, *, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, bool):
+        raise LynxConfigError(f"{key}: expected an integer, got {value!r}")
+    try:
+        out = int(str(value).strip(), 0) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError):
+        raise LynxConfigError(f"{key}: expected an integer, got {value!r}") from None
+    if isinstance(value, float) and value != out:
+        raise LynxConfigError(f"{key}: expected an integer, got {value!r}")
+    if out < minimum or (maximum is not None and out > maximum):
+        hi = "" if maximum is None else f" and <= {maximum}"
+        raise LynxConfigError(f"{key}: must be >= {minimum}{hi}, got {value!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class LynxConfig:
+    """Resolved connector configuration (see docs/OPERATIONS.md for the table of keys)."""
+
+    #: full: decode after anchor+residual merged; anchor: decode on the anchor only (lossy, for comparison);
+    #: speculative: decode on the anchor, verify when the residual lands; bf16/fp8/int8/int4/int4_kivi:
+    #: single-stream baselines through the same connector.
+    mode: str = "full"
+    #: Options for the Lynx codec (grouping); passed to ``lynx_connector.codec.get_codec``.
+    codec_options: Mapping[str, Any] = field(default_factory=dict)
+    #: Emulated link rate for the transport's token bucket, Gbit/s; None = unpaced.
+    link_gbps: float | None = None
+    #: Transfer chunk size and bytes in flight (the priority granularity of the two streams).
+    chunk_bytes: int = 1 << 20
+    window_bytes: int = 8 << 20
+    #: Staging memory registered with NIXL once, per worker, MiB.
+    staging_mb: int = 512
+    #: P's side channel (zmq). Port 0 picks a free port and tells D through kv_transfer_params.
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    #: P frees a request's staging if D has not read it within this many seconds.
+    lease_s: float = 120.0
+    #: D gives up on a silent or vanished P after this many seconds (then kv_load_failure_policy applies).
+    timeout_s: float = 30.0
+    #: Speculation cap on D (tokens decoded on the anchor before the request waits for the residual).
+    max_speculative_tokens: int = 64
+    #: Test-only fault injection: "corrupt_residual" flips the residual bits D receives.
+    fault_injection: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise LynxConfigError(f"mode: expected one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.window_bytes < self.chunk_bytes:
+            raise LynxConfigError(
+                f"window_bytes ({self.window_bytes}) must be >= chunk_bytes ({self.chunk_bytes})"
+            )
+        if self.fault_injection not in (None, "corrupt_residual"):
+            raise LynxConfigError(f"fault_injection: expected 'corrupt_residual' or none, got {self.fault_injection!r}")
+        if not isinstance(self.codec_options, Mapping):
+            raise LynxConfigError(f"codec_options: expected a mapping, got {self.codec_options!r}")
+
+    @property
+    def two_stream(self) -> bool:
+        return self.mode in LYNX_MODES
+
+    @property
+    def codec_name(self) -> str:
+        return "lynx" if self.two_stream else self.mode
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> LynxConfig:
+        """Parse and validate; unknown keys are warned about, not silently ignored."""
+        extra = dict(extra or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            logger.warning("LynxConnector: ignoring unknown kv_connector_extra_config keys %s (known: %s)",
+                           unknown, sorted(known))
+        kw: dict[str, Any] = {}
+        if "mode" in extra:
+            kw["mode"] = str(extra["mode"]).strip().lower()
+        if "codec_options" in extra:
+            kw["codec_options"] = extra["codec_options"]
+        if "link_gbps" in extra:
+            gbps = _as_float("link_gbps", extra["link_gbps"], allow_none=True)
+            if gbps is not None and gbps <= 0:
+                raise LynxConfigError(f"link_gbps: must be > 0 (or null for unpaced), got {extra['link_gbps']!r}")
+            kw["link_gbps"] = gbps
+        for key, lo, hi in (("chunk_bytes", 4096, 1 << 31), ("window_bytes", 4096, 1 << 34),
+                            ("staging_mb", 1, 1 << 20), ("side_channel_port", 0, 65535),
+                            ("max_speculative_tokens", 0, 4096)):
+            if key in extra:
+                kw[key] = _as_int(key, extra[key], minimum=lo, maximum=hi)
+        for key, lo in (("lease_s", 0.1), ("timeout_s", 0.1)):
+            if key in extra:
+                kw[key] = _as_float(key, extra[key], minimum=lo)
+        if "side_channel_host" in extra:
+            host = str(extra["side_channel_host"]).strip()
+            if not host:
+                raise LynxConfigError("side_channel_host: must not be empty")
+            kw["side_channel_host"] = host
+        if "fault_injection" in extra:
+            fi = extra["fault_injection"]
+            kw["fault_injection"] = None if fi in (None, "", "none") else str(fi)
+        return cls(**kw)
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+

@@ -1,0 +1,145 @@
+"""Serializable messages shared by the scheduler half and the worker half, and the ``kv_transfer_params``
+contract between a prefill instance (P), the proxy and a decode instance (D).
+
+Nothing here holds live objects: scheduler->worker metadata crosses process boundaries (pickled by vLLM's
+executor) and kv_transfer_params cross the network through the proxy, so they are validated before use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+#: Version of the kv_transfer_params / side-channel contract; D refuses a P that speaks another one.
+LYNX_PARAMS_VERSION = 1
+
+
+@dataclass
+class SaveSpec:
+    """P: encode this request's prompt KV (``num_tokens`` tokens in ``block_ids``) into staging now."""
+
+    req_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class RecvSpec:
+    """D: pull the planes of ``remote_req_id`` from P and write tokens [0, num_tokens) into ``block_ids``.
+
+    ``skip_blocks`` leading blocks are local prefix-cache hits: they already hold this prefix and are shared
+    with other requests, so they must not be written.
+    """
+
+    req_id: str
+    block_ids: list[int]
+    num_tokens: int
+    skip_blocks: int
+    remote_host: str
+    remote_port: int
+    remote_req_id: str
+    remote_engine_id: str
+
+
+@dataclass
+class LynxConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per engine step."""
+
+    reqs_to_save: list[SaveSpec] = field(default_factory=list)
+    reqs_to_recv: list[RecvSpec] = field(default_factory=list)
+    #: P: requests that finished without reaching D (aborted): drop their staging now.
+    save_aborted: list[str] = field(default_factory=list)
+    #: D: requests aborted while their KV was in flight: cancel the pulls, free staging on both sides.
+    recv_aborted: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LynxWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once per step: requests whose residual has been merged into D's blocks."""
+
+    residual_merged: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        # With tensor parallelism a request is merged only when every rank has merged its shard.
+        if not isinstance(other, LynxWorkerMeta):
+            return self
+        return LynxWorkerMeta(residual_merged=self.residual_merged & other.residual_merged)
+
+
+@dataclass
+class LynxHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler at start-up: where this worker's side channel listens (P role)."""
+
+    host: str
+    port: int
+    tp_rank: int
+
+
+class InvalidTransferParams(ValueError):
+    """kv_transfer_params that claim a remote prefill but cannot be used; the message says why."""
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """D's view of the kv_transfer_params P returned (validated)."""
+
+    engine_id: str
+    request_id: str
+    host: str
+    ports: tuple[int, ...]
+    num_tokens: int
+    mode: str
+
+    def to_params(self) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": self.request_id,
+            "remote_host": self.host,
+            "remote_port": self.ports[0],
+            "lynx_ports": list(self.ports),
+            "remote_num_tokens": self.num_tokens,
+            "lynx_mode": self.mode,
+            "lynx_version": LYNX_PARAMS_VERSION,
+        }
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> RemotePrefill:
+        """Validate untrusted params (they came through the proxy); raise InvalidTransferParams."""
+
+        def need(key: str, typ: type | tuple[type, ...]) -> Any:
+            if key not in params:
+                raise InvalidTransferParams(f"missing {key!r}")
+            val = params[key]
+            if not isinstance(val, typ) or isinstance(val, bool) and typ is int:
+                raise InvalidTransferParams(f"{key!r} has type {type(val).__name__}")
+            return val
+
+        version = params.get("lynx_version")
+        if version != LYNX_PARAMS_VERSION:
+            raise InvalidTransferParams(
+                f"lynx_version {version!r} (this decode instance speaks {LYNX_PARAMS_VERSION}); "
+                "were these params produced by a LynxConnector prefill instance of the same version?"
+            )
+        engine_id = need("remote_engine_id", str)
+        request_id = need("remote_request_id", str)
+        host = need("remote_host", str)
+        ports = params.get("lynx_ports", [need("remote_port", int)])
+        if (not isinstance(ports, list) or not ports or len(ports) > 1024
+                or not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in ports)):
+            raise InvalidTransferParams(f"lynx_ports must be a non-empty list of TCP ports, got {ports!r}")
+        num_tokens = need("remote_num_tokens", int)
+        if num_tokens <= 0:
+            raise InvalidTransferParams(f"remote_num_tokens must be > 0, got {num_tokens}")
+        mode = need("lynx_mode", str)
+        if not (0 < len(host) <= 255 and 0 < len(request_id) <= 1024 and 0 < len(engine_id) <= 256):
+            raise InvalidTransferParams("remote_host/remote_request_id/remote_engine_id empty or too long")
+        return cls(engine_id=engine_id, request_id=request_id, host=host, ports=tuple(ports),
+                   num_tokens=num_tokens, mode=mode)

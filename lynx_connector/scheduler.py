@@ -1,0 +1,191 @@
+"""Scheduler half of LynxConnector (runs in the engine-core process).
+
+P (prefill, ``do_remote_decode``): when a request's prompt finishes computing, the step's metadata asks the
+worker to encode it into staging (anchor + residual planes) right after the forward; when the request
+finishes, its vLLM blocks are freed at once (the planes live in staging, so P's KV cache is never held
+hostage by a slow link) and ``kv_transfer_params`` tell D where to pull from.
+
+D (decode, ``do_remote_prefill``): the prompt is loaded asynchronously; the worker reports the request
+finished receiving when the planes the mode needs are merged into D's blocks (or failed, then vLLM's
+``kv_load_failure_policy`` applies). A request aborted while its KV is in flight keeps its blocks until
+the worker confirms the pull is cancelled, so nothing writes into blocks that were given to another request.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lynx_connector.config import LynxConfig
+from lynx_connector.logger import init_logger
+from lynx_connector.metadata import (
+    InvalidTransferParams,
+    LynxConnectorMetadata,
+    LynxHandshakeMetadata,
+    LynxWorkerMeta,
+    RecvSpec,
+    RemotePrefill,
+    SaveSpec,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+class LynxConnectorScheduler:
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, config: LynxConfig):
+        self.config = config
+        self.engine_id = engine_id
+        self.block_size = vllm_config.cache_config.block_size
+        self._kv_cache_manager: KVCacheManager | None = None
+        # Where P's workers listen (from their handshake metadata), by tensor-parallel rank.
+        self._side_channel_host = config.side_channel_host
+        self._side_channel_ports: list[int] = []
+        # P: requests to encode once their prompt is computed; the ones already encoded.
+        self._save_tracked: dict[str, Request] = {}
+        self._saved: set[str] = set()
+        self._save_aborted: list[str] = []
+        # D: local prefix-hit tokens seen by get_num_new_matched_tokens; pulls to start; pulls in flight.
+        self._local_hits: dict[str, int] = {}
+        self._recv_pending: list[RecvSpec] = []
+        self._recv_inflight: set[str] = set()
+        self._recv_aborted: list[str] = []
+        # Residual-merged signals from the workers (used by the speculative scheduler).
+        self.residual_merged: set[str] = set()
+
+    # ---- start-up -------------------------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    def set_handshake(self, metadata: dict[int, Any]) -> None:
+        ranks = sorted(metadata)
+        metas = [metadata[r] for r in ranks]
+        if not all(isinstance(m, LynxHandshakeMetadata) for m in metas):
+            raise TypeError(f"LynxConnector expects LynxHandshakeMetadata from its workers, got {metas!r}")
+        self._side_channel_host = metas[0].host
+        self._side_channel_ports = [m.port for m in metas]
+        logger.info("LynxConnector: side channel of this engine at %s ports %s",
+                    self._side_channel_host, self._side_channel_ports)
+
+    # ---- D: loading -----------------------------------------------------------------------------------
+    def _remote_prefill(self, request: Request) -> RemotePrefill | None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        try:
+            return RemotePrefill.from_params(params)
+        except InvalidTransferParams as exc:
+            logger.warning("Request %s: unusable kv_transfer_params (%s); computing its prompt locally",
+                           request.request_id, exc)
+            params["do_remote_prefill"] = False
+            return None
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        remote = self._remote_prefill(request)
+        if remote is None:
+            return 0, False
+        self._local_hits[request.request_id] = num_computed_tokens
+        count = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        if params.get("do_remote_decode"):
+            self._save_tracked[request.request_id] = request
+            return
+        remote = self._remote_prefill(request)
+        if remote is None:
+            return
+        # One transfer per request, even if it is preempted and rescheduled later (then it recomputes).
+        params["do_remote_prefill"] = False
+        local_hit = self._local_hits.pop(request.request_id, 0)
+        block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens > 0 else []
+        num_tokens = local_hit + num_external_tokens if num_external_tokens > 0 else 0
+        spec = RecvSpec(
+            req_id=request.request_id,
+            block_ids=block_ids[: -(-num_tokens // self.block_size)] if num_tokens else [],
+            num_tokens=num_tokens,
+            skip_blocks=local_hit // self.block_size,
+            remote_host=remote.host,
+            remote_port=remote.ports[0],
+            remote_req_id=remote.request_id,
+            remote_engine_id=remote.engine_id,
+        )
+        self._recv_pending.append(spec)
+        if num_tokens:
+            self._recv_inflight.add(request.request_id)
+
+    # ---- per step -------------------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LynxConnectorMetadata:
+        meta = LynxConnectorMetadata(
+            reqs_to_recv=self._recv_pending,
+            save_aborted=self._save_aborted,
+            recv_aborted=self._recv_aborted,
+        )
+        self._recv_pending, self._save_aborted, self._recv_aborted = [], [], []
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            req = self._save_tracked.get(req_id)
+            if req is None or req_id in self._saved:
+                continue
+            # num_computed_tokens is advanced after this call: this step computes [computed, computed + n).
+            if req.num_computed_tokens + n < req.num_prompt_tokens:
+                continue
+            assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+            n_blocks = -(-req.num_prompt_tokens // self.block_size)
+            block_ids = list(self._kv_cache_manager.get_block_ids(req_id)[0][:n_blocks])
+            meta.reqs_to_save.append(SaveSpec(req_id=req_id, block_ids=block_ids, num_tokens=req.num_prompt_tokens))
+            self._saved.add(req_id)
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for req_id in connector_output.finished_recving or ():
+            self._recv_inflight.discard(req_id)
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, LynxWorkerMeta):
+            self.residual_merged |= meta.residual_merged
+
+    # ---- end of a request ---------------------------------------------------------------------------------
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        req_id = request.request_id
+        self._local_hits.pop(req_id, None)
+        if req_id in self._recv_inflight:
+            # D: aborted while its KV is in flight. Keep the blocks until the worker has cancelled the pull
+            # (it then reports the request in finished_recving and vLLM frees them).
+            self._recv_inflight.discard(req_id)
+            self._recv_aborted.append(req_id)
+            return True, None
+        if self._save_tracked.pop(req_id, None) is None:
+            return False, None
+        saved = req_id in self._saved
+        self._saved.discard(req_id)
+        finished_ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if not saved:
+            if finished_ok:
+                logger.warning("Request %s finished before its prompt was encoded; D will compute it", req_id)
+            return False, None
+        if not finished_ok:
+            self._save_aborted.append(req_id)
+            return False, None
+        if not self._side_channel_ports:
+            logger.error("LynxConnector: no side channel registered by the workers; cannot serve request %s",
+                         req_id)
+            self._save_aborted.append(req_id)
+            return False, None
+        remote = RemotePrefill(
+            engine_id=self.engine_id,
+            request_id=req_id,
+            host=self._side_channel_host,
+            ports=tuple(self._side_channel_ports),
+            num_tokens=request.num_prompt_tokens,
+            mode=self.config.mode,
+        )
+        return False, remote.to_params()

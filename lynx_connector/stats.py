@@ -1,0 +1,129 @@
+"""Connector statistics through vLLM's pipeline: the periodic "KV Transfer metrics" log line (``reduce``) and
+Prometheus metrics (``LynxPromMetrics``). The payload is a plain dict of lists so it serializes between the
+worker and the logger process and aggregates across tensor-parallel workers by concatenation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+_LIST_KEYS = ("anchor_bytes", "anchor_s", "residual_bytes", "residual_s", "request_s",
+              "encode_anchor_bytes", "encode_residual_bytes", "encode_s",
+              "spec_drafted", "spec_accepted")
+_COUNT_KEYS = ("failed_load", "failed_stage", "failed_nonfinite")
+
+
+def _empty() -> dict[str, Any]:
+    data: dict[str, Any] = {k: [] for k in _LIST_KEYS}
+    data.update({k: 0 for k in _COUNT_KEYS})
+    return data
+
+
+class LynxStats(KVConnectorStats):
+    def __init__(self, data: dict[str, Any] | None = None):
+        super().__init__(data=_empty() if data is None else data)
+        for k, v in _empty().items():
+            self.data.setdefault(k, v)
+
+    # ---- recording (worker) ----
+    def record_stream(self, stream: str, nbytes: int, seconds: float) -> None:
+        self.data[f"{stream}_bytes"].append(int(nbytes))
+        self.data[f"{stream}_s"].append(float(seconds))
+
+    def record_request(self, seconds: float) -> None:
+        self.data["request_s"].append(float(seconds))
+
+    def record_encode(self, anchor_bytes: int, residual_bytes: int, seconds: float) -> None:
+        self.data["encode_anchor_bytes"].append(int(anchor_bytes))
+        self.data["encode_residual_bytes"].append(int(residual_bytes))
+        self.data["encode_s"].append(float(seconds))
+
+    def record_failure(self, kind: str) -> None:
+        self.data[f"failed_{kind}"] += 1
+
+    def record_speculation(self, drafted: int, accepted: int) -> None:
+        self.data["spec_drafted"].append(int(drafted))
+        self.data["spec_accepted"].append(int(accepted))
+
+    # ---- KVConnectorStats protocol ----
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def clone_and_reset(self) -> LynxStats:
+        out = LynxStats({k: (list(v) if isinstance(v, list) else v) for k, v in self.data.items()})
+        self.reset()
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data[k] for k in _LIST_KEYS) and not any(self.data[k] for k in _COUNT_KEYS)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k in _LIST_KEYS:
+            self.data[k].extend(other.data.get(k, []))
+        for k in _COUNT_KEYS:
+            self.data[k] += int(other.data.get(k, 0))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+
+        def avg_ms(key: str) -> float:
+            return round(1e3 * sum(d[key]) / len(d[key]), 3) if d[key] else 0.0
+
+        def mb(key: str) -> float:
+            return round(sum(d[key]) / 1e6, 3)
+
+        out: dict[str, int | float] = {
+            "Num pulls": len(d["request_s"]),
+            "Anchor MB": mb("anchor_bytes"),
+            "Residual MB": mb("residual_bytes"),
+            "Avg time to anchor (ms)": avg_ms("anchor_s"),
+            "Avg time to residual (ms)": avg_ms("residual_s"),
+            "Num encodes": len(d["encode_s"]),
+            "Avg encode (ms)": avg_ms("encode_s"),
+            "Num failed": d["failed_load"] + d["failed_stage"] + d["failed_nonfinite"],
+        }
+        if d["spec_drafted"]:
+            drafted, accepted = sum(d["spec_drafted"]), sum(d["spec_accepted"])
+            out["Speculated tokens"] = drafted
+            out["Accepted tokens"] = accepted
+            out["Acceptance rate"] = round(accepted / drafted, 4) if drafted else 0.0
+        return out
+
+
+class LynxPromMetrics(KVConnectorPromMetrics):
+    """Per-engine Prometheus metrics: bytes and latency per stream, failures, speculation."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        buckets = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+        stream_labels = labelnames + ["stream"]
+        self._bytes = self._counter_cls(name="vllm:lynx_transfer_bytes",
+                                        documentation="KV bytes received per stream (anchor, residual).",
+                                        labelnames=stream_labels)
+        self._latency = self._histogram_cls(name="vllm:lynx_time_to_stream_seconds",
+                                            documentation="Time from pull start to the stream landing on D.",
+                                            buckets=buckets, labelnames=stream_labels)
+        self._failed = self._counter_cls(name="vllm:lynx_failed_transfers",
+                                         documentation="KV pulls or stagings that failed.",
+                                         labelnames=labelnames)
+        self._spec = self._counter_cls(name="vllm:lynx_speculative_tokens",
+                                       documentation="Tokens decoded on the anchor (drafted) and accepted.",
+                                       labelnames=labelnames + ["outcome"])
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
+        for stream in ("anchor", "residual"):
+            nbytes = transfer_stats_data.get(f"{stream}_bytes", [])
+            if nbytes:
+                self._bytes.labels(*labels, stream).inc(sum(nbytes))
+            for s in transfer_stats_data.get(f"{stream}_s", []):
+                self._latency.labels(*labels, stream).observe(s)
+        failed = sum(int(transfer_stats_data.get(k, 0)) for k in _COUNT_KEYS)
+        if failed:
+            self._failed.labels(*labels).inc(failed)
+        drafted = sum(transfer_stats_data.get("spec_drafted", []))
+        if drafted:
+            self._spec.labels(*labels, "drafted").inc(drafted)
+            self._spec.labels(*labels, "accepted").inc(sum(transfer_stats_data.get("spec_accepted", [])))

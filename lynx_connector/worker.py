@@ -1,0 +1,302 @@
+"""Worker half of LynxConnector (runs in each worker process, next to the paged KV cache).
+
+P: after the forward of the step in which a request's prompt completes, encode every layer of it into one
+contiguous anchor region and one contiguous residual region of staging (registered with NIXL once) and
+publish them; D pulls them. P's staging is freed when D says it is done, on abort, or when the lease ends.
+
+D: pull the anchor stream (high priority) and the residual stream (low priority) into D's staging, then write
+into the request's blocks: mode ``anchor`` (and the single-stream baselines) writes when the anchor lands;
+``full`` merges anchor+residual when both have landed; ``speculative`` writes the anchor when it lands,
+reports the request ready, and merges the residual in place later (signalled through worker metadata).
+Every path ends in ``_finish_recv``: staging freed on both sides, exactly once, whatever happened.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lynx_connector.codec import KVLayout, NonFiniteKVError, decode_anchor, encode, get_codec, merge_residual
+from lynx_connector.config import LynxConfig
+from lynx_connector.logger import init_logger
+from lynx_connector.metadata import LynxConnectorMetadata, LynxHandshakeMetadata, LynxWorkerMeta, RecvSpec, SaveSpec
+from lynx_connector.stats import LynxStats
+from lynx_connector.transport import TransferSink, TransferSource, TransportConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _Recv:
+    spec: RecvSpec
+    staged: Any  # the sink's staging handle: .anchor / .residual uint8 views
+    t_start: float
+    anchor_landed: bool = False
+    residual_landed: bool = False
+    reported: bool = False  # finished_recving already sent to the scheduler
+    errors: list[str] = field(default_factory=list)
+
+
+class LynxConnectorWorker:
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, config: LynxConfig):
+        self.config = config
+        self.engine_id = engine_id
+        self.vllm_config = vllm_config
+        self.codec = get_codec(config.codec_name, **dict(config.codec_options))
+        kv_cfg = vllm_config.kv_transfer_config
+        self.is_producer = kv_cfg.kv_role in ("kv_producer", "kv_both")
+        self.is_consumer = kv_cfg.kv_role in ("kv_consumer", "kv_both")
+        self.block_size = vllm_config.cache_config.block_size
+        self.tp_rank = 0
+        self.layers: list[tuple[str, torch.Tensor]] = []
+        self.layout: KVLayout | None = None
+        self.source: TransferSource | None = None
+        self.sink: TransferSink | None = None
+        self.stats = LynxStats()
+        self._recvs: dict[str, _Recv] = {}
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._merged: set[str] = set()
+
+    # ---- start-up -------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        try:
+            self.tp_rank = get_tensor_model_parallel_rank()
+        except Exception:  # not initialised in some unit-test set-ups
+            self.tp_rank = 0
+        self.layers = list(kv_caches.items())
+        if not self.layers:
+            raise ValueError("LynxConnector: register_kv_caches got no KV cache tensors")
+        first = self.layers[0][1]
+        model_cfg = self.vllm_config.model_config
+        self.layout = KVLayout.for_vllm(
+            first,
+            block_size=self.block_size,
+            num_kv_heads=model_cfg.get_num_kv_heads(self.vllm_config.parallel_config),
+            head_size=model_cfg.get_head_size(),
+            device=str(first.device),
+        )
+        for name, t in self.layers[1:]:
+            if t.shape != first.shape or t.dtype != first.dtype:
+                raise ValueError(f"LynxConnector: layer {name} has shape {tuple(t.shape)} {t.dtype}, expected "
+                                 f"{tuple(first.shape)} {first.dtype} like the first layer")
+        compat = {
+            "model": model_cfg.model,
+            "layers": len(self.layers),
+            "layer_names": ",".join(n for n, _ in self.layers),
+            "kv_heads": self.layout.num_kv_heads,
+            "head_size": self.layout.head_size,
+            "dtype": str(first.dtype),
+            "codec": self.codec.name,
+            "codec_id": self.codec.identity(),
+            "tp_rank": self.tp_rank,
+        }
+        tcfg = TransportConfig(
+            link_gbps=self.config.link_gbps,
+            chunk_bytes=self.config.chunk_bytes,
+            window_bytes=self.config.window_bytes,
+            lease_s=self.config.lease_s,
+            timeout_s=self.config.timeout_s,
+            host=self.config.side_channel_host,
+            port=self.config.side_channel_port + self.tp_rank if self.config.side_channel_port else 0,
+        )
+        pool_bytes = self.config.staging_mb << 20
+        name = f"lynx-{self.engine_id}-tp{self.tp_rank}"
+        if self.is_producer:
+            self.source = TransferSource(tcfg, compat=compat, pool_bytes=pool_bytes, name=name + "-src")
+        if self.is_consumer:
+            self.sink = TransferSink(tcfg, compat=compat, pool_bytes=pool_bytes, name=name + "-dst")
+        logger.info("LynxConnector worker ready: %d layers, layout %s, codec %s, role %s, side channel %s",
+                    len(self.layers), self.layout, self.codec.name,
+                    self.vllm_config.kv_transfer_config.kv_role,
+                    self.source.address if self.source else None)
+
+    def handshake_metadata(self) -> LynxHandshakeMetadata | None:
+        if self.source is None:
+            return None
+        host, port = self.source.address
+        return LynxHandshakeMetadata(host=host, port=port, tp_rank=self.tp_rank)
+
+    def _plane_nbytes(self, num_tokens: int) -> tuple[int, int]:
+        assert self.layout is not None
+        a, r = self.codec.plane_nbytes(num_tokens, self.layout.num_kv_heads, self.layout.head_size,
+                                       self.layout.dtype)
+        return a, r
+
+    # ---- P: encode after the forward -------------------------------------------------------------------
+    def save(self, meta: LynxConnectorMetadata) -> None:
+        if self.source is None:
+            if meta.reqs_to_save:
+                logger.error("LynxConnector: %d requests to save but this worker is not a producer (kv_role)",
+                             len(meta.reqs_to_save))
+            return
+        for req_id in meta.save_aborted:
+            self.source.abort(req_id)
+        for spec in meta.reqs_to_save:
+            self._encode_request(spec)
+
+    def _encode_request(self, spec: SaveSpec) -> None:
+        assert self.source is not None and self.layout is not None
+        t0 = time.perf_counter()
+        a, r = self._plane_nbytes(spec.num_tokens)
+        n_layers = len(self.layers)
+        try:
+            staged = self.source.alloc(spec.req_id, a * n_layers, r * n_layers)
+        except Exception as exc:  # staging full: D's pull then fails and kv_load_failure_policy applies
+            logger.error("LynxConnector: cannot stage request %s (%d tokens): %s", spec.req_id, spec.num_tokens, exc)
+            self.stats.record_failure("stage")
+            return
+        try:
+            for i, (name, kv) in enumerate(self.layers):
+                encode(self.codec, kv, spec.block_ids, self.layout, spec.num_tokens,
+                       staged.anchor[i * a:(i + 1) * a], staged.residual[i * r:(i + 1) * r] if r else None)
+        except NonFiniteKVError as exc:
+            logger.error("LynxConnector: request %s not sent: %s (layer %s)", spec.req_id, exc, name)
+            self.source.abort(spec.req_id)
+            self.stats.record_failure("nonfinite")
+            return
+        except Exception:
+            self.source.abort(spec.req_id)
+            raise
+        self.source.publish(spec.req_id)
+        self.stats.record_encode(a * n_layers, r * n_layers, time.perf_counter() - t0)
+
+    # ---- D: pull and merge -----------------------------------------------------------------------------
+    def start_load(self, meta: LynxConnectorMetadata) -> None:
+        for req_id in meta.recv_aborted:
+            rec = self._recvs.get(req_id)
+            if rec is not None:
+                self._finish_recv(rec, error="aborted by the client")
+        for spec in meta.reqs_to_recv:
+            self._start_recv(spec)
+
+    def _start_recv(self, spec: RecvSpec) -> None:
+        if self.sink is None:
+            logger.error("LynxConnector: request %s needs a remote prefill but this worker is not a consumer",
+                         spec.req_id)
+            if spec.num_tokens:
+                self._failed_recving.add(spec.req_id)
+                self._finished_recving.add(spec.req_id)
+            return
+        port = spec.remote_port + self.tp_rank if self.tp_rank else spec.remote_port
+        if spec.num_tokens == 0:  # full local prefix hit: nothing to pull, but P must free its staging
+            self.sink.release_remote(spec.remote_host, port, spec.remote_req_id)
+            return
+        a, r = self._plane_nbytes(spec.num_tokens)
+        n_layers = len(self.layers)
+        try:
+            staged = self.sink.alloc(spec.req_id, a * n_layers, r * n_layers)
+        except Exception as exc:
+            logger.error("LynxConnector: no staging for request %s: %s", spec.req_id, exc)
+            self.sink.release_remote(spec.remote_host, port, spec.remote_req_id)
+            self._failed_recving.add(spec.req_id)
+            self._finished_recving.add(spec.req_id)
+            self.stats.record_failure("stage")
+            return
+        rec = _Recv(spec=spec, staged=staged, t_start=time.perf_counter())
+        self._recvs[spec.req_id] = rec
+        self.sink.pull(spec.req_id, spec.remote_host, port, spec.remote_req_id,
+                       staged.anchor, staged.residual if r else None)
+
+    def _write_blocks(self, rec: _Recv, full: bool) -> None:
+        assert self.layout is not None
+        spec = rec.spec
+        a, r = self._plane_nbytes(spec.num_tokens)
+        anchor, residual = rec.staged.anchor, rec.staged.residual
+        if full and self.config.fault_injection == "corrupt_residual":
+            residual.bitwise_xor_(0x5A)
+        for i, (_, kv) in enumerate(self.layers):
+            pa = anchor[i * a:(i + 1) * a]
+            if full:
+                merge_residual(self.codec, pa, residual[i * r:(i + 1) * r], kv, spec.block_ids, self.layout,
+                               spec.num_tokens, skip_blocks=spec.skip_blocks)
+            else:
+                decode_anchor(self.codec, pa, kv, spec.block_ids, self.layout, spec.num_tokens,
+                              skip_blocks=spec.skip_blocks)
+
+    def poll(self) -> None:
+        """Apply landed streams to the KV cache; called once per step (also on steps with no forward)."""
+        if self.source is not None:
+            self.source.poll()
+        if self.sink is None:
+            return
+        for ev in self.sink.poll():
+            rec = self._recvs.get(ev.req_id)
+            if rec is None:
+                continue
+            if not ev.ok:
+                self._finish_recv(rec, error=f"{ev.stream} stream failed: {ev.error}")
+                continue
+            now = time.perf_counter() - rec.t_start
+            if ev.stream == "anchor":
+                rec.anchor_landed = True
+                self.stats.record_stream("anchor", ev.nbytes, now)
+                if not self.codec.two_stream or self.config.mode in ("anchor", "speculative"):
+                    self._apply(rec, full=False)
+            else:
+                rec.residual_landed = True
+                self.stats.record_stream("residual", ev.nbytes, now)
+            if rec.anchor_landed and rec.residual_landed and self.codec.two_stream \
+                    and self.config.mode in ("full", "speculative"):
+                self._apply(rec, full=True)
+
+    def _apply(self, rec: _Recv, full: bool) -> None:
+        try:
+            self._write_blocks(rec, full)
+        except Exception as exc:  # malformed planes must fail this request, not the engine
+            logger.exception("LynxConnector: writing request %s into the KV cache failed", rec.spec.req_id)
+            self._finish_recv(rec, error=f"decode failed: {exc}")
+            return
+        if full and self.config.mode == "speculative":
+            self._merged.add(rec.spec.req_id)
+        done = full or not self.codec.two_stream or self.config.mode == "anchor"
+        if not rec.reported:
+            rec.reported = True
+            self._finished_recving.add(rec.spec.req_id)
+        if done:
+            self._finish_recv(rec, error=None)
+
+    def _finish_recv(self, rec: _Recv, error: str | None) -> None:
+        """Single exit for a pull: frees D's staging, tells P to free its own, reports once."""
+        assert self.sink is not None
+        req_id = rec.spec.req_id
+        self._recvs.pop(req_id, None)
+        if error is not None:
+            logger.error("LynxConnector: KV load for request %s failed: %s", req_id, error)
+            self.sink.abort(req_id)
+            self.stats.record_failure("load")
+            if not rec.reported:
+                self._failed_recving.add(req_id)
+        else:
+            self.stats.record_request(time.perf_counter() - rec.t_start)
+        if not rec.reported:
+            rec.reported = True
+            self._finished_recving.add(req_id)
+        self.sink.release(req_id)
+
+    def take_results(self) -> tuple[set[str], set[str]]:
+        done, failed = self._finished_recving, self._failed_recving
+        self._finished_recving, self._failed_recving = set(), set()
+        return done, failed
+
+    def take_worker_meta(self) -> LynxWorkerMeta | None:
+        if not self._merged:
+            return None
+        merged, self._merged = self._merged, set()
+        return LynxWorkerMeta(residual_merged=merged)
+
+    def shutdown(self) -> None:
+        for rec in list(self._recvs.values()):
+            self._finish_recv(rec, error="worker shutting down")
+        for end in (self.sink, self.source):
+            if end is not None:
+                end.close()
+        self.sink = self.source = None
