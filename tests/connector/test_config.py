@@ -1,0 +1,49 @@
+import pytest
+
+from lynx_connector.config import LynxConfig, LynxConfigError
+
+
+def test_defaults_are_valid():
+    cfg = LynxConfig.from_extra_config(None)
+    assert cfg.mode == "full" and cfg.two_stream and cfg.codec_name == "lynx"
+    assert cfg.link_gbps is None
+
+
+def test_strings_are_parsed_as_numbers():
+    cfg = LynxConfig.from_extra_config(
+                                       {"mode": "INT8", "link_gbps": "10", "chunk_bytes": "65536",
+                                        "window_bytes": "0x100000", "timeout_s": "2.5"})
+    assert cfg.mode == "int8" and not cfg.two_stream and cfg.codec_name == "int8"
+    assert cfg.link_gbps == 10.0 and cfg.chunk_bytes == 65536 and cfg.window_bytes == 1 << 20
+    assert cfg.timeout_s == 2.5
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({"mode": "lossy"}, "mode"),
+    ({"link_gbps": 0}, "link_gbps"),
+    ({"link_gbps": "fast"}, "link_gbps"),
+    ({"link_gbps": float("nan")}, "link_gbps"),
+    ({"chunk_bytes": 12.5}, "chunk_bytes"),
+    ({"chunk_bytes": True}, "chunk_bytes"),
+    ({"side_channel_port": 70000}, "side_channel_port"),
+    ({"timeout_s": 0}, "timeout_s"),
+    ({"chunk_bytes": 1 << 20, "window_bytes": 1 << 16}, "window_bytes"),
+    ({"fault_injection": "drop_everything"}, "fault_injection"),
+    ({"side_channel_host": "  "}, "side_channel_host"),
+    ({"codec_options": [1, 2]}, "codec_options"),
+])
+def test_bad_values_name_the_key(extra, key):
+    with pytest.raises(LynxConfigError, match=key):
+        LynxConfig.from_extra_config(extra)
+
+
+def test_unknown_keys_are_warned(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        LynxConfig.from_extra_config({"modee": "full"})
+    assert any("modee" in r.getMessage() for r in caplog.records)
+
+
+def test_null_link_rate_means_unpaced():
+    assert LynxConfig.from_extra_config({"link_gbps": "null"}).link_gbps is None

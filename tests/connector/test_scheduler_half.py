@@ -1,0 +1,151 @@
+"""Scheduler half in isolation, with small fakes for vLLM's Request / KVCacheBlocks / KVCacheManager.
+The real thing runs in tests/integration (two real engines exchanging KV)."""
+
+from types import SimpleNamespace
+
+import pytest
+from vllm.v1.request import RequestStatus
+
+from lynx_connector.config import LynxConfig
+from lynx_connector.metadata import LYNX_PARAMS_VERSION, LynxHandshakeMetadata, LynxWorkerMeta, RemotePrefill
+from lynx_connector.scheduler import LynxConnectorScheduler
+
+BS = 32
+
+
+class FakeBlocks:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self):
+        return (list(self.ids),)
+
+
+class FakeManager:
+    def __init__(self):
+        self.blocks = {}
+
+    def get_block_ids(self, req_id):
+        return (self.blocks[req_id],)
+
+
+def make_sched(**extra):
+    vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS))
+    s = LynxConnectorScheduler(vcfg, "engine-p", LynxConfig.from_extra_config(extra))
+    mgr = FakeManager()
+    s.bind_kv_cache_manager(mgr)
+    s.set_handshake({0: LynxHandshakeMetadata(host="10.1.2.3", port=5555, tp_rank=0)})
+    return s, mgr
+
+
+def req(req_id, n_prompt, params, computed=0, status=RequestStatus.RUNNING):
+    return SimpleNamespace(request_id=req_id, num_prompt_tokens=n_prompt, num_computed_tokens=computed,
+                           kv_transfer_params=params, status=status)
+
+
+def sched_out(**n):
+    return SimpleNamespace(num_scheduled_tokens=n)
+
+
+def remote_params(n=100, **over):
+    p = RemotePrefill(engine_id="engine-p", request_id="p-1", host="10.1.2.3", ports=(5555,), num_tokens=n,
+                      mode="full").to_params()
+    p.update(over)
+    return p
+
+
+def test_prefill_side_encodes_when_prompt_completes_and_returns_params():
+    s, mgr = make_sched()
+    r = req("p-1", 70, {"do_remote_decode": True})
+    mgr.blocks["p-1"] = [7, 3, 9, 11]
+    s.update_state_after_alloc(r, FakeBlocks([7, 3, 9]), 0)
+    # chunked prefill: first chunk does not complete the prompt -> nothing to save
+    assert s.build_connector_meta(sched_out(**{"p-1": 40})).reqs_to_save == []
+    r.num_computed_tokens = 40
+    meta = s.build_connector_meta(sched_out(**{"p-1": 30}))
+    assert [(x.req_id, x.block_ids, x.num_tokens) for x in meta.reqs_to_save] == [("p-1", [7, 3, 9], 70)]
+    # saved once only
+    assert s.build_connector_meta(sched_out(**{"p-1": 1})).reqs_to_save == []
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    hold, params = s.request_finished(r, [7, 3, 9])
+    assert hold is False  # P never holds its blocks: the planes live in staging
+    rp = RemotePrefill.from_params(params)
+    assert (rp.host, rp.ports, rp.request_id, rp.num_tokens) == ("10.1.2.3", (5555,), "p-1", 70)
+
+
+def test_prefill_side_abort_drops_staging():
+    s, mgr = make_sched()
+    r = req("p-2", 40, {"do_remote_decode": True})
+    mgr.blocks["p-2"] = [1, 2]
+    s.update_state_after_alloc(r, FakeBlocks([1, 2]), 0)
+    s.build_connector_meta(sched_out(**{"p-2": 40}))
+    r.status = RequestStatus.FINISHED_ABORTED
+    assert s.request_finished(r, [1, 2]) == (False, None)
+    assert s.build_connector_meta(sched_out()).save_aborted == ["p-2"]
+
+
+def test_decode_side_loads_prompt_asynchronously():
+    s, _ = make_sched()
+    r = req("d-1", 100, remote_params(100))
+    assert s.get_num_new_matched_tokens(r, 0) == (100, True)
+    s.update_state_after_alloc(r, FakeBlocks([5, 6, 7, 8]), 100)
+    assert r.kv_transfer_params["do_remote_prefill"] is False  # one transfer per request
+    meta = s.build_connector_meta(sched_out())
+    (spec,) = meta.reqs_to_recv
+    assert (spec.block_ids, spec.num_tokens, spec.skip_blocks, spec.remote_req_id) == ([5, 6, 7, 8], 100, 0, "p-1")
+    # a second update_state_after_alloc (after the load) does not start another pull
+    s.update_state_after_alloc(r, FakeBlocks([5, 6, 7, 8]), 0)
+    assert s.build_connector_meta(sched_out()).reqs_to_recv == []
+
+
+def test_decode_side_local_prefix_hit_skips_shared_blocks():
+    s, _ = make_sched()
+    r = req("d-2", 100, remote_params(100))
+    assert s.get_num_new_matched_tokens(r, 64) == (36, True)
+    s.update_state_after_alloc(r, FakeBlocks([5, 6, 7, 8]), 36)
+    (spec,) = s.build_connector_meta(sched_out()).reqs_to_recv
+    assert spec.skip_blocks == 2 and spec.num_tokens == 100
+
+
+def test_decode_side_abort_in_flight_holds_blocks_until_worker_confirms():
+    s, _ = make_sched()
+    r = req("d-3", 64, remote_params(64))
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, FakeBlocks([1, 2]), 64)
+    s.build_connector_meta(sched_out())
+    r.status = RequestStatus.FINISHED_ABORTED
+    assert s.request_finished(r, [1, 2]) == (True, None)
+    assert s.build_connector_meta(sched_out()).recv_aborted == ["d-3"]
+
+
+def test_finished_recving_clears_inflight_and_merged_signal_is_collected():
+    s, _ = make_sched()
+    r = req("d-4", 64, remote_params(64))
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, FakeBlocks([1, 2]), 64)
+    s.update_connector_output(SimpleNamespace(finished_recving={"d-4"},
+                                              kv_connector_worker_meta=LynxWorkerMeta({"d-4"})))
+    assert "d-4" in s.residual_merged
+    r.status = RequestStatus.FINISHED_STOPPED
+    assert s.request_finished(r, [1, 2]) == (False, None)
+
+
+@pytest.mark.parametrize("bad", [
+    {"lynx_version": 99},
+    {"remote_port": "5555", "lynx_ports": "x"},
+    {"remote_num_tokens": -3},
+    {"remote_host": ""},
+    {"lynx_ports": [0]},
+    {"remote_request_id": 12},
+])
+def test_malformed_params_fall_back_to_local_prefill(bad):
+    s, _ = make_sched()
+    r = req("d-5", 64, remote_params(64, **bad))
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert r.kv_transfer_params["do_remote_prefill"] is False
+
+
+def test_worker_meta_aggregates_as_intersection_across_ranks():
+    a, b = LynxWorkerMeta({"x", "y"}), LynxWorkerMeta({"y"})
+    assert a.aggregate(b).residual_merged == {"y"}
+
