@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lynx_connector.config import MODES
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
@@ -27,6 +28,7 @@ class SaveSpec:
     req_id: str
     block_ids: list[int]
     num_tokens: int
+    mode: str
 
 
 @dataclass
@@ -45,6 +47,7 @@ class RecvSpec:
     remote_port: int
     remote_req_id: str
     remote_engine_id: str
+    mode: str
 
 
 @dataclass
@@ -139,6 +142,8 @@ class RemotePrefill:
         if num_tokens <= 0:
             raise InvalidTransferParams(f"remote_num_tokens must be > 0, got {num_tokens}")
         mode = need("lynx_mode", str)
+        if mode not in MODES:
+            raise InvalidTransferParams(f"lynx_mode {mode!r} is not one of {', '.join(MODES)}")
         if not (0 < len(host) <= 255 and 0 < len(request_id) <= 1024 and 0 < len(engine_id) <= 256):
             raise InvalidTransferParams("remote_host/remote_request_id/remote_engine_id empty or too long")
         return cls(engine_id=engine_id, request_id=request_id, host=host, ports=tuple(ports),

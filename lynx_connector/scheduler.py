@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lynx_connector.config import LynxConfig
+from lynx_connector.config import MODES, LynxConfig
 from lynx_connector.logger import init_logger
 from lynx_connector.metadata import (
     InvalidTransferParams,
@@ -46,8 +46,9 @@ class LynxConnectorScheduler:
         # Where P's workers listen (from their handshake metadata), by tensor-parallel rank.
         self._side_channel_host = config.side_channel_host
         self._side_channel_ports: list[int] = []
-        # P: requests to encode once their prompt is computed; the ones already encoded.
+        # P: requests to encode once their prompt is computed (with their mode); the ones already encoded.
         self._save_tracked: dict[str, Request] = {}
+        self._save_mode: dict[str, str] = {}
         self._saved: set[str] = set()
         self._save_aborted: list[str] = []
         # D: local prefix-hit tokens seen by get_num_new_matched_tokens; pulls to start; pulls in flight.
@@ -71,6 +72,18 @@ class LynxConnectorScheduler:
         self._side_channel_ports = [m.port for m in metas]
         logger.info("LynxConnector: side channel of this engine at %s ports %s",
                     self._side_channel_host, self._side_channel_ports)
+
+    def _request_mode(self, req_id: str, params: dict[str, Any]) -> str:
+        """A request may ask for its own transfer mode (``lynx_mode`` in kv_transfer_params), so one P/D pair
+        can serve and compare every scheme; otherwise the configured mode applies."""
+        mode = params.get("lynx_mode")
+        if mode is None:
+            return self.config.mode
+        if mode not in MODES:
+            logger.warning("Request %s asks for unknown lynx_mode %r (known: %s); using %s",
+                           req_id, mode, ", ".join(MODES), self.config.mode)
+            return self.config.mode
+        return mode
 
     # ---- D: loading -----------------------------------------------------------------------------------
     def _remote_prefill(self, request: Request) -> RemotePrefill | None:
@@ -99,6 +112,7 @@ class LynxConnectorScheduler:
             return
         if params.get("do_remote_decode"):
             self._save_tracked[request.request_id] = request
+            self._save_mode[request.request_id] = self._request_mode(request.request_id, params)
             return
         remote = self._remote_prefill(request)
         if remote is None:
@@ -117,6 +131,7 @@ class LynxConnectorScheduler:
             remote_port=remote.ports[0],
             remote_req_id=remote.request_id,
             remote_engine_id=remote.engine_id,
+            mode=remote.mode,
         )
         self._recv_pending.append(spec)
         if num_tokens:
@@ -140,7 +155,8 @@ class LynxConnectorScheduler:
             assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
             n_blocks = -(-req.num_prompt_tokens // self.block_size)
             block_ids = list(self._kv_cache_manager.get_block_ids(req_id)[0][:n_blocks])
-            meta.reqs_to_save.append(SaveSpec(req_id=req_id, block_ids=block_ids, num_tokens=req.num_prompt_tokens))
+            meta.reqs_to_save.append(SaveSpec(req_id=req_id, block_ids=block_ids, num_tokens=req.num_prompt_tokens,
+                                              mode=self._save_mode[req_id]))
             self._saved.add(req_id)
         return meta
 
@@ -165,6 +181,7 @@ class LynxConnectorScheduler:
             return True, None
         if self._save_tracked.pop(req_id, None) is None:
             return False, None
+        mode = self._save_mode.pop(req_id, self.config.mode)
         saved = req_id in self._saved
         self._saved.discard(req_id)
         finished_ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
@@ -186,6 +203,6 @@ class LynxConnectorScheduler:
             host=self._side_channel_host,
             ports=tuple(self._side_channel_ports),
             num_tokens=request.num_prompt_tokens,
-            mode=self.config.mode,
+            mode=mode,
         )
         return False, remote.to_params()

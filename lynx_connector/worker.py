@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lynx_connector.codec import KVLayout, NonFiniteKVError, decode_anchor, encode, get_codec, merge_residual
-from lynx_connector.config import LynxConfig
+from lynx_connector.config import LYNX_MODES, LynxConfig
 from lynx_connector.logger import init_logger
 from lynx_connector.metadata import LynxConnectorMetadata, LynxHandshakeMetadata, LynxWorkerMeta, RecvSpec, SaveSpec
 from lynx_connector.stats import LynxStats
@@ -48,7 +48,8 @@ class LynxConnectorWorker:
         self.config = config
         self.engine_id = engine_id
         self.vllm_config = vllm_config
-        self.codec = get_codec(config.codec_name, **dict(config.codec_options))
+        self._codecs: dict[str, Any] = {}
+        self._codec(config.mode)  # validate the configured codec at start-up, not on the first request
         kv_cfg = vllm_config.kv_transfer_config
         self.is_producer = kv_cfg.kv_role in ("kv_producer", "kv_both")
         self.is_consumer = kv_cfg.kv_role in ("kv_consumer", "kv_both")
@@ -95,8 +96,7 @@ class LynxConnectorWorker:
             "kv_heads": self.layout.num_kv_heads,
             "head_size": self.layout.head_size,
             "dtype": str(first.dtype),
-            "codec": self.codec.name,
-            "codec_id": self.codec.identity(),
+            "lynx_codec": self._codec("full").identity(),
             "tp_rank": self.tp_rank,
         }
         tcfg = TransportConfig(
@@ -114,8 +114,8 @@ class LynxConnectorWorker:
             self.source = TransferSource(tcfg, compat=compat, pool_bytes=pool_bytes, name=name + "-src")
         if self.is_consumer:
             self.sink = TransferSink(tcfg, compat=compat, pool_bytes=pool_bytes, name=name + "-dst")
-        logger.info("LynxConnector worker ready: %d layers, layout %s, codec %s, role %s, side channel %s",
-                    len(self.layers), self.layout, self.codec.name,
+        logger.info("LynxConnector worker ready: %d layers, layout %s, mode %s, role %s, side channel %s",
+                    len(self.layers), self.layout, self.config.mode,
                     self.vllm_config.kv_transfer_config.kv_role,
                     self.source.address if self.source else None)
 
@@ -125,11 +125,20 @@ class LynxConnectorWorker:
         host, port = self.source.address
         return LynxHandshakeMetadata(host=host, port=port, tp_rank=self.tp_rank)
 
-    def _plane_nbytes(self, num_tokens: int) -> tuple[int, int]:
+    def _codec(self, mode: str) -> Any:
+        """The codec of a transfer mode: every Lynx mode shares the lynx planes; baselines are their own."""
+        name = "lynx" if mode in LYNX_MODES else mode
+        codec = self._codecs.get(name)
+        if codec is None:
+            opts = dict(self.config.codec_options) if name == "lynx" else {}
+            codec = self._codecs[name] = get_codec(name, **opts)
+        return codec
+
+    def _plane_nbytes(self, mode: str, num_tokens: int) -> tuple[int, int]:
+        """Bytes of one layer's anchor and residual planes."""
         assert self.layout is not None
-        a, r = self.codec.plane_nbytes(num_tokens, self.layout.num_kv_heads, self.layout.head_size,
-                                       self.layout.dtype)
-        return a, r
+        return self._codec(mode).plane_nbytes(num_tokens, self.layout.num_kv_heads, self.layout.head_size,
+                                              self.layout.dtype)
 
     # ---- P: encode after the forward -------------------------------------------------------------------
     def save(self, meta: LynxConnectorMetadata) -> None:
@@ -146,7 +155,8 @@ class LynxConnectorWorker:
     def _encode_request(self, spec: SaveSpec) -> None:
         assert self.source is not None and self.layout is not None
         t0 = time.perf_counter()
-        a, r = self._plane_nbytes(spec.num_tokens)
+        a, r = self._plane_nbytes(spec.mode, spec.num_tokens)
+        codec = self._codec(spec.mode)
         n_layers = len(self.layers)
         try:
             staged = self.source.alloc(spec.req_id, a * n_layers, r * n_layers)
@@ -156,7 +166,7 @@ class LynxConnectorWorker:
             return
         try:
             for i, (name, kv) in enumerate(self.layers):
-                encode(self.codec, kv, spec.block_ids, self.layout, spec.num_tokens,
+                encode(codec, kv, spec.block_ids, self.layout, spec.num_tokens,
                        staged.anchor[i * a:(i + 1) * a], staged.residual[i * r:(i + 1) * r] if r else None)
         except NonFiniteKVError as exc:
             logger.error("LynxConnector: request %s not sent: %s (layer %s)", spec.req_id, exc, name)
@@ -190,7 +200,9 @@ class LynxConnectorWorker:
         if spec.num_tokens == 0:  # full local prefix hit: nothing to pull, but P must free its staging
             self.sink.release_remote(spec.remote_host, port, spec.remote_req_id)
             return
-        a, r = self._plane_nbytes(spec.num_tokens)
+        a, r = self._plane_nbytes(spec.mode, spec.num_tokens)
+        if spec.mode == "anchor":
+            r = 0  # decoding on the anchor alone: the residual is never pulled (P frees it with the rest)
         n_layers = len(self.layers)
         try:
             staged = self.sink.alloc(spec.req_id, a * n_layers, r * n_layers)
@@ -209,17 +221,18 @@ class LynxConnectorWorker:
     def _write_blocks(self, rec: _Recv, full: bool) -> None:
         assert self.layout is not None
         spec = rec.spec
-        a, r = self._plane_nbytes(spec.num_tokens)
+        codec = self._codec(spec.mode)
+        a, r = self._plane_nbytes(spec.mode, spec.num_tokens)
         anchor, residual = rec.staged.anchor, rec.staged.residual
         if full and self.config.fault_injection == "corrupt_residual":
             residual.bitwise_xor_(0x5A)
         for i, (_, kv) in enumerate(self.layers):
             pa = anchor[i * a:(i + 1) * a]
             if full:
-                merge_residual(self.codec, pa, residual[i * r:(i + 1) * r], kv, spec.block_ids, self.layout,
+                merge_residual(codec, pa, residual[i * r:(i + 1) * r], kv, spec.block_ids, self.layout,
                                spec.num_tokens, skip_blocks=spec.skip_blocks)
             else:
-                decode_anchor(self.codec, pa, kv, spec.block_ids, self.layout, spec.num_tokens,
+                decode_anchor(codec, pa, kv, spec.block_ids, self.layout, spec.num_tokens,
                               skip_blocks=spec.skip_blocks)
 
     def poll(self) -> None:
@@ -236,16 +249,17 @@ class LynxConnectorWorker:
                 self._finish_recv(rec, error=f"{ev.stream} stream failed: {ev.error}")
                 continue
             now = time.perf_counter() - rec.t_start
+            mode = rec.spec.mode
+            two_stream = mode in LYNX_MODES
             if ev.stream == "anchor":
                 rec.anchor_landed = True
                 self.stats.record_stream("anchor", ev.nbytes, now)
-                if not self.codec.two_stream or self.config.mode in ("anchor", "speculative"):
+                if not two_stream or mode in ("anchor", "speculative"):
                     self._apply(rec, full=False)
             else:
                 rec.residual_landed = True
                 self.stats.record_stream("residual", ev.nbytes, now)
-            if rec.anchor_landed and rec.residual_landed and self.codec.two_stream \
-                    and self.config.mode in ("full", "speculative"):
+            if rec.anchor_landed and rec.residual_landed and mode in ("full", "speculative"):
                 self._apply(rec, full=True)
 
     def _apply(self, rec: _Recv, full: bool) -> None:
@@ -255,9 +269,10 @@ class LynxConnectorWorker:
             logger.exception("LynxConnector: writing request %s into the KV cache failed", rec.spec.req_id)
             self._finish_recv(rec, error=f"decode failed: {exc}")
             return
-        if full and self.config.mode == "speculative":
+        mode = rec.spec.mode
+        if full and mode == "speculative":
             self._merged.add(rec.spec.req_id)
-        done = full or not self.codec.two_stream or self.config.mode == "anchor"
+        done = full or mode not in ("full", "speculative")
         if not rec.reported:
             rec.reported = True
             self._finished_recving.add(rec.spec.req_id)
