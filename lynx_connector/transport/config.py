@@ -1,0 +1,98 @@
+"""Transport configuration (`TransportConfig`), validated on construction.
+
+Defaults are the settings measured on the 2-core CPU box (see `lynx_connector/transport/__init__.py` for the
+reasoning): NIXL progress thread off (it spins a core when idle), one UCX worker, 1 MiB chunks, a 4 MiB window.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["TransportConfig"]
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"TransportConfig.{name} must be a positive int, got {value!r}")
+
+
+def _positive_float(name: str, value: object) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if not ok:
+        raise ValueError(f"TransportConfig.{name} must be a positive finite number, got {value!r}")
+
+
+@dataclass
+class TransportConfig:
+    """Settings of one `TransferSource` (P) or `TransferSink` (D).
+
+    link_gbps: pace the pull to this many gigabits/s (token bucket on D), None = unpaced.
+    chunk_bytes: a stream is posted in chunks of at most this size, so an anchor waits at most one chunk.
+    window_bytes: bound on bytes posted but not completed (>= chunk_bytes).
+    lease_s: P frees a published request's staging if D has not said "done" within this (renewed on query).
+    timeout_s: D fails a request whose peer is silent this long (handshake, query or a stalled chunk).
+    host, port: side-channel bind address of a source (port 0 = random free port).
+    pool_bytes: size of the staging pool registered with NIXL.
+    backend, num_workers, backend_params: NIXL backend and its init params (`num_workers` -> UCX param).
+    progress_thread: NIXL's own progress thread (spins a core when idle: off by default).
+    target_progress_s: without a progress thread, P pumps NIXL this often while requests are live (0 = never).
+    retry_s: D re-queries a not-yet-published request after this long.
+    burst_s: token-bucket capacity in seconds of the link rate (absorbs scheduler wake-up jitter).
+    max_message_bytes: side-channel messages larger than this are rejected unread.
+    """
+
+    link_gbps: float | None = None
+    chunk_bytes: int = 1 << 20
+    window_bytes: int = 4 << 20
+    lease_s: float = 60.0
+    timeout_s: float = 10.0
+    host: str = "127.0.0.1"
+    port: int = 0
+    pool_bytes: int = 256 << 20
+    backend: str = "UCX"
+    num_workers: int = 1
+    backend_params: dict[str, str] = field(default_factory=dict)
+    progress_thread: bool = False
+    target_progress_s: float = 0.005
+    retry_s: float = 0.005
+    burst_s: float = 0.005
+    max_message_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.link_gbps is not None:
+            _positive_float("link_gbps", self.link_gbps)
+        for name in ("chunk_bytes", "window_bytes", "pool_bytes", "num_workers", "max_message_bytes"):
+            _positive_int(name, getattr(self, name))
+        if self.window_bytes < self.chunk_bytes:
+            raise ValueError(
+                f"TransportConfig.window_bytes ({self.window_bytes}) must be >= chunk_bytes ({self.chunk_bytes})"
+            )
+        for name in ("lease_s", "timeout_s", "retry_s", "burst_s"):
+            _positive_float(name, getattr(self, name))
+        tp = self.target_progress_s
+        if not isinstance(tp, (int, float)) or isinstance(tp, bool) or not math.isfinite(tp) or tp < 0:
+            raise ValueError(f"TransportConfig.target_progress_s must be >= 0, got {tp!r}")
+        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
+            raise ValueError(f"TransportConfig.port must be an int in [0, 65535], got {self.port!r}")
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"TransportConfig.host must be a non-empty string, got {self.host!r}")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"TransportConfig.backend must be a non-empty string, got {self.backend!r}")
+        if not isinstance(self.progress_thread, bool):
+            raise ValueError(f"TransportConfig.progress_thread must be a bool, got {self.progress_thread!r}")
+        if not isinstance(self.backend_params, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.backend_params.items()
+        ):
+            raise ValueError("TransportConfig.backend_params must be a dict[str, str]")
+
+    @property
+    def link_bytes_per_s(self) -> float | None:
+        """The paced rate in bytes/s, or None when unpaced."""
+        return None if self.link_gbps is None else self.link_gbps * 1e9 / 8.0
+
+    def nixl_backend_params(self) -> dict[str, str]:
+        """Init params handed to `create_backend` (explicit `backend_params` win over `num_workers`)."""
+        params = {"num_workers": str(self.num_workers)} if self.num_workers != 1 else {}
+        params.update(self.backend_params)
+        return params

@@ -1,0 +1,27 @@
+"""Completion events reported by `TransferSink.poll()`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["ANCHOR", "RESIDUAL", "Stream", "TransferEvent"]
+
+Stream = Literal["anchor", "residual"]
+ANCHOR: Stream = "anchor"
+RESIDUAL: Stream = "residual"
+
+
+@dataclass(frozen=True)
+class TransferEvent:
+    """Terminal event of one stream of one pulled request (exactly one per pulled stream, unless aborted).
+
+    `seconds` is measured from `pull()` to completion (or failure); `nbytes` is the bytes landed.
+    """
+
+    req_id: str
+    stream: Stream
+    ok: bool
+    error: str | None
+    nbytes: int
+    seconds: float

@@ -1,0 +1,255 @@
+"""D-side transfer scheduler: two priority queues, chunking, a bytes-in-flight window and link pacing.
+
+Not thread-safe by itself: the sink's service thread owns it and calls `step()`; `step()` returns how long
+the thread may sleep before calling again (None = idle, nothing to do until new work arrives).
+
+Ordering rule: a residual chunk is posted only when no queued anchor has unposted bytes, across all
+requests (strict anchor-first); within a queue, requests are FIFO. Chunking bounds how long a newly queued
+anchor waits behind a residual already being moved: at most the bytes in flight (<= window_bytes), and with
+cma (synchronous transfers) at most one chunk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lynx_connector.logger import init_logger
+from lynx_connector.transport.config import TransportConfig
+from lynx_connector.transport.events import ANCHOR, RESIDUAL, Stream, TransferEvent
+from lynx_connector.transport.nixl_wrapper import NixlLike
+from lynx_connector.transport.pacing import TokenBucket
+
+logger = init_logger(__name__)
+
+__all__ = ["StreamJob", "TransferScheduler"]
+
+POLL_INTERVAL_S = 0.0005  # re-check in-flight (PROC) transfers this often
+
+
+@dataclass
+class StreamJob:
+    """One stream of one request: a single contiguous remote region read into a local region."""
+
+    req_id: str
+    stream: Stream
+    peer: str
+    local_addr: int
+    remote_addr: int
+    nbytes: int
+    t0: float
+    posted: int = 0
+    done: int = 0
+    inflight: int = 0
+    finished: bool = False
+
+
+@dataclass
+class _Inflight:
+    job: StreamJob
+    handle: Any
+    nbytes: int
+    t_post: float
+
+
+@dataclass
+class SchedulerStats:
+    chunks_posted: int = 0
+    bytes_done: int = 0
+    max_inflight_bytes: int = 0
+    post_log: list[tuple[str, str, int, int]] = field(default_factory=list)
+
+
+class TransferScheduler:
+    """Posts chunk READs for queued `StreamJob`s through a `NixlLike`, reporting `TransferEvent`s."""
+
+    def __init__(
+        self,
+        nixl: NixlLike,
+        config: TransportConfig,
+        on_event: Callable[[TransferEvent], None],
+        clock: Callable[[], float] = time.monotonic,
+        record_posts: bool = False,
+        max_posts_per_step: int = 4,
+    ) -> None:
+        self._nixl = nixl
+        self._cfg = config
+        self._on_event = on_event
+        self._clock = clock
+        self._record = record_posts
+        self._max_posts = max_posts_per_step
+        self._queues: dict[str, deque[StreamJob]] = {ANCHOR: deque(), RESIDUAL: deque()}
+        self._inflight: list[_Inflight] = []
+        self.inflight_bytes = 0
+        self.stats = SchedulerStats()
+        rate = config.link_bytes_per_s
+        self._bucket = (
+            None
+            if rate is None
+            else TokenBucket(
+                rate,
+                capacity=max(config.chunk_bytes, rate * config.burst_s),
+                initial=config.chunk_bytes,
+                now=clock(),
+            )
+        )
+
+    # ---- queueing ----------------------------------------------------------------------------
+    def submit(self, job: StreamJob) -> None:
+        if job.nbytes <= 0:
+            raise ValueError(f"stream job {job.req_id}/{job.stream} has no bytes")
+        self._queues[job.stream].append(job)
+
+    def pending_requests(self) -> set[str]:
+        """Requests with a stream queued or in flight."""
+        ids = {j.req_id for q in self._queues.values() for j in q}
+        ids.update(f.job.req_id for f in self._inflight)
+        return ids
+
+    @property
+    def idle(self) -> bool:
+        return not self._inflight and not any(self._queues.values())
+
+    def cancel(self, req_id: str) -> None:
+        """Drop a request's streams without events (abort); in-flight chunks are released."""
+        self._drop(req_id, error=None)
+
+    def fail(self, req_id: str, error: str) -> None:
+        """Fail every unfinished stream of a request (one failed event each)."""
+        self._drop(req_id, error=error)
+
+    def fail_peer(self, peer: str, error: str) -> None:
+        ids = {j.req_id for q in self._queues.values() for j in q if j.peer == peer}
+        ids.update(f.job.req_id for f in self._inflight if f.job.peer == peer)
+        for req_id in sorted(ids):
+            self.fail(req_id, error)
+
+    def _drop(self, req_id: str, error: str | None) -> None:
+        jobs: list[StreamJob] = []
+        for stream, q in self._queues.items():
+            keep = deque(j for j in q if j.req_id != req_id)
+            jobs.extend(j for j in q if j.req_id == req_id)
+            self._queues[stream] = keep
+        for f in [f for f in self._inflight if f.job.req_id == req_id]:
+            self._inflight.remove(f)
+            self.inflight_bytes -= f.nbytes
+            self._release(f.handle)
+            if f.job not in jobs:
+                jobs.append(f.job)
+        now = self._clock()
+        for job in sorted(jobs, key=lambda j: j.stream != ANCHOR):
+            if job.finished:
+                continue
+            job.finished = True
+            if error is not None:
+                self._emit(job, False, error, now)
+
+    # ---- the engine --------------------------------------------------------------------------
+    def step(self) -> float | None:
+        """Reap completions, then post chunks; returns seconds until the next useful call (None = idle)."""
+        now = self._clock()
+        self._reap(now)
+        wait: float | None = None
+        for _ in range(self._max_posts):
+            job = self._next_job()
+            if job is None:
+                break
+            n = min(self._cfg.chunk_bytes, job.nbytes - job.posted)
+            if self.inflight_bytes and self.inflight_bytes + n > self._cfg.window_bytes:
+                break
+            if self._bucket is not None:
+                w = self._bucket.wait_time(n, now)
+                if w > 0.0:
+                    wait = w
+                    break
+                self._bucket.consume(n, now)
+            self._post(job, n, now)
+            now = self._clock()
+        else:
+            if self._next_job() is not None:
+                return 0.0
+        if self._inflight:
+            wait = POLL_INTERVAL_S if wait is None else min(wait, POLL_INTERVAL_S)
+        return wait
+
+    def _next_job(self) -> StreamJob | None:
+        for stream in (ANCHOR, RESIDUAL):
+            for job in self._queues[stream]:
+                if job.posted < job.nbytes:
+                    return job
+        return None
+
+    def _post(self, job: StreamJob, n: int, now: float) -> None:
+        off = job.posted
+        job.posted += n
+        if self._record:
+            self.stats.post_log.append((job.req_id, job.stream, off, n))
+        self.stats.chunks_posted += 1
+        try:
+            handle, state = self._nixl.post_read(job.peer, job.local_addr + off, job.remote_addr + off, n)
+        except Exception as exc:
+            self.fail(job.req_id, f"NIXL READ of {job.stream} from {job.peer} failed: {exc}")
+            return
+        job.inflight += n
+        self.inflight_bytes += n
+        self.stats.max_inflight_bytes = max(self.stats.max_inflight_bytes, self.inflight_bytes)
+        entry = _Inflight(job, handle, n, now)
+        if state == "PROC":
+            self._inflight.append(entry)
+        else:
+            self._complete(entry, state, self._clock())
+
+    def _reap(self, now: float) -> None:
+        for entry in list(self._inflight):
+            try:
+                state = self._nixl.check(entry.handle)
+            except Exception as exc:
+                logger.warning("check_xfer_state failed for %s: %s", entry.job.req_id, exc)
+                state = "ERR"
+            if state == "PROC":
+                if now - entry.t_post > self._cfg.timeout_s:
+                    self.fail(entry.job.req_id, f"{entry.job.stream} chunk from {entry.job.peer} stalled "
+                              f"for more than {self._cfg.timeout_s}s")
+                continue
+            if entry in self._inflight:
+                self._inflight.remove(entry)
+                self._complete(entry, state, now)
+
+    def _complete(self, entry: _Inflight, state: str, now: float) -> None:
+        job = entry.job
+        self._release(entry.handle)
+        job.inflight -= entry.nbytes
+        self.inflight_bytes -= entry.nbytes
+        if job.finished:
+            return
+        if state != "DONE":
+            self.fail(job.req_id, f"NIXL READ of {job.stream} from {job.peer} returned {state}")
+            return
+        job.done += entry.nbytes
+        self.stats.bytes_done += entry.nbytes
+        if job.done == job.nbytes:
+            job.finished = True
+            self._queues[job.stream].remove(job)
+            self._emit(job, True, None, now)
+
+    def _emit(self, job: StreamJob, ok: bool, error: str | None, now: float) -> None:
+        if not ok:
+            logger.warning("transfer %s/%s failed: %s", job.req_id, job.stream, error)
+        self._on_event(TransferEvent(job.req_id, job.stream, ok, error, job.done, now - job.t0))
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self._nixl.release(handle)
+        except Exception as exc:  # an errored or cancelled handle may refuse release
+            logger.debug("release_xfer_handle: %s", exc)
+
+    def close(self) -> None:
+        for entry in self._inflight:
+            self._release(entry.handle)
+        self._inflight.clear()
+        self.inflight_bytes = 0
+        for q in self._queues.values():
+            q.clear()

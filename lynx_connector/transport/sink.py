@@ -1,0 +1,413 @@
+"""D side: `TransferSink` pulls requests' anchor and residual regions from P's staging into D's own pool.
+
+A single service thread owns the NIXL agent, the per-peer zmq DEALER sockets and the `TransferScheduler`;
+caller threads only enqueue commands (pull / release / abort) and read events. Per peer address the
+handshake (agent metadata, pool descriptor, compat hash) is done once and cached; a failed READ drops the
+peer from the cache so the next pull re-handshakes. Every pulled stream yields exactly one `TransferEvent`
+(unless aborted); control steps (handshake, region query, NotReady retries) give up after `timeout_s`.
+When a request's streams have all finished (ok or not) the sink tells P "done" so it frees its staging;
+`release()` does the same explicitly and is idempotent.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from lynx_connector.logger import init_logger
+from lynx_connector.transport import protocol as proto
+from lynx_connector.transport.config import TransportConfig
+from lynx_connector.transport.events import ANCHOR, RESIDUAL, TransferEvent
+from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
+from lynx_connector.transport.pool import StagingPool
+from lynx_connector.transport.scheduler import StreamJob, TransferScheduler
+from lynx_connector.transport.wake import Waker
+
+logger = init_logger(__name__)
+
+__all__ = ["TransferSink"]
+
+Addr = tuple[str, int]
+
+
+@dataclass
+class _Peer:
+    addr: Addr
+    sock: zmq.Socket
+    state: str = "hello"  # hello -> ready
+    agent: str = ""
+    pool_addr: int = 0
+    pool_nbytes: int = 0
+
+
+@dataclass
+class _Pull:
+    req_id: str
+    addr: Addr
+    remote_req_id: str
+    anchor: tuple[int, int]  # (local addr, nbytes)
+    residual: tuple[int, int] | None
+    t0: float
+    deadline: float
+    state: str = "wait_peer"  # wait_peer -> query -> transferring
+    retry_at: float | None = None
+    last_reply: str = "no answer"
+    pending: set[str] = field(default_factory=set)
+    failed: bool = False
+
+
+class TransferSink:
+    """D-side endpoint; one per worker process. `pool` is D's registered staging (caller allocates in it)."""
+
+    def __init__(
+        self,
+        config: TransportConfig,
+        compat: dict[str, Any],
+        *,
+        nixl: NixlLike | None = None,
+        name: str | None = None,
+        record_posts: bool = False,
+    ) -> None:
+        self.config = config
+        self.compat = dict(compat)
+        self.compat_hash = proto.compat_hash(self.compat)
+        self.pool = StagingPool(config.pool_bytes)
+        self.name = name or f"lynx-sink-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._nixl = nixl if nixl is not None else NixlWrapper(self.name, config)
+        self._nixl.register(self.pool.buffer)
+        self._ctx = zmq.Context()
+        self._waker = Waker(self._ctx)
+        self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._events: list[TransferEvent] = []
+        self._ev_lock = threading.Lock()
+        self._active: set[str] = set()  # pulled and not yet forgotten (caller-side duplicate check)
+        self._peers: dict[Addr, _Peer] = {}
+        self._pulls: dict[str, _Pull] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(self._waker.receiver, zmq.POLLIN)
+        self._sched = TransferScheduler(self._nixl, config, self._on_event, record_posts=record_posts)
+        self.cpu_s = 0.0
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, name="lynx-sink", daemon=True)
+        self._thread.start()
+
+    # ---- caller API --------------------------------------------------------------------------
+    def pull(
+        self,
+        req_id: str,
+        host: str,
+        port: int,
+        remote_req_id: str,
+        anchor_out: torch.Tensor,
+        residual_out: torch.Tensor | None,
+    ) -> None:
+        """Queue a pull of `remote_req_id` from the source at host:port into views of `self.pool`."""
+        for what, val in (("req_id", req_id), ("remote_req_id", remote_req_id)):
+            if not isinstance(val, str) or not 0 < len(val) <= proto.MAX_ID:
+                raise ValueError(f"{what} must be a non-empty str of at most {proto.MAX_ID} chars")
+        if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"bad peer address {host!r}:{port!r}")
+        a = (self.pool.base_addr + self.pool.offset_of(anchor_out), int(anchor_out.numel()))
+        if a[1] == 0:
+            raise ValueError("anchor_out is empty")
+        r = None
+        if residual_out is not None and residual_out.numel() > 0:
+            r = (self.pool.base_addr + self.pool.offset_of(residual_out), int(residual_out.numel()))
+        with self._ev_lock:
+            if req_id in self._active:
+                raise ValueError(f"request {req_id!r} is already being pulled")
+            self._active.add(req_id)
+        now = time.monotonic()
+        self._cmd(("pull", _Pull(req_id, (host, port), remote_req_id, a, r, now, now + self.config.timeout_s)))
+
+    def poll(self) -> list[TransferEvent]:
+        """Events since the last poll."""
+        with self._ev_lock:
+            out, self._events = self._events, []
+        return out
+
+    def release(self, req_id: str) -> None:
+        """Tell P to free the request's staging (idempotent; D's views stay the caller's)."""
+        self._cmd(("release", req_id, None))
+
+    def abort(self, req_id: str) -> None:
+        """Stop pulling a request (no further events), tell P to free; returns once no chunk is in flight."""
+        done = threading.Event()
+        self._cmd(("abort", req_id, done))
+        if not done.wait(self.config.timeout_s + 1.0):
+            logger.warning("abort(%s) not acknowledged by the sink thread", req_id)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "cpu_s": self.cpu_s,
+            "chunks_posted": self._sched.stats.chunks_posted,
+            "bytes_done": self._sched.stats.bytes_done,
+            "max_inflight_bytes": self._sched.stats.max_inflight_bytes,
+            "peers": len(self._peers),
+            "pulls_live": len(self._active),
+            "regions_live": self.pool.regions_live,
+        }
+
+    @property
+    def post_log(self) -> list[tuple[str, str, int, int]]:
+        """(req_id, stream, offset, nbytes) of each posted chunk when `record_posts=True`."""
+        return self._sched.stats.post_log
+
+    def close(self) -> None:
+        if self._stop:
+            return
+        self._stop = True
+        self._waker.wake()
+        self._thread.join(timeout=5.0)
+        self._sched.close()
+        for peer in self._peers.values():
+            self._drop_peer_resources(peer)
+        self._peers.clear()
+        self._waker.close()
+        self._nixl.close()
+        self._ctx.term()
+
+    # ---- service thread ----------------------------------------------------------------------
+    def _cmd(self, cmd: tuple[Any, ...]) -> None:
+        if self._stop:
+            raise RuntimeError("TransferSink is closed")
+        self._cmds.put(cmd)
+        self._waker.wake()
+
+    def _serve(self) -> None:
+        t_cpu = time.thread_time()
+        while not self._stop:
+            self._run_commands()
+            wait = self._sched.step()
+            wait = self._check_deadlines(wait)
+            timeout_ms = -1 if wait is None else (0 if wait <= 0 else max(1, int(wait * 1000 + 0.999)))
+            if wait is not None and 0 < wait < 0.001:  # sub-ms waits: sleep precisely, not 1 ms
+                time.sleep(wait)
+                timeout_ms = 0
+            ready = dict(self._poller.poll(timeout_ms))
+            if self._waker.receiver in ready:
+                self._waker.drain()
+            for peer in list(self._peers.values()):
+                if peer.sock in ready:
+                    self._drain_peer(peer)
+            self.cpu_s = time.thread_time() - t_cpu
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            kind = cmd[0]
+            if kind == "pull":
+                self._start_pull(cmd[1])
+            else:
+                pull = self._pulls.pop(cmd[1], None)
+                if pull is not None:
+                    if kind == "abort":
+                        self._sched.cancel(pull.req_id)
+                    self._send_done(pull)
+                self._forget(cmd[1])
+                if cmd[2] is not None:
+                    cmd[2].set()
+
+    def _start_pull(self, pull: _Pull) -> None:
+        self._pulls[pull.req_id] = pull
+        pull.pending = {ANCHOR} if pull.residual is None else {ANCHOR, RESIDUAL}
+        peer = self._peers.get(pull.addr)
+        if peer is None:
+            peer = self._connect(pull.addr)
+        if peer.state == "ready":
+            self._query(pull)
+
+    def _connect(self, addr: Addr) -> _Peer:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
+        sock.connect(f"tcp://{addr[0]}:{addr[1]}")
+        peer = _Peer(addr, sock)
+        self._peers[addr] = peer
+        self._poller.register(sock, zmq.POLLIN)
+        self._send(peer, proto.Hello(v=proto.VERSION, compat=self.compat))
+        return peer
+
+    def _send(self, peer: _Peer, msg: proto.Message) -> None:
+        try:
+            peer.sock.send(proto.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.warning("side channel to %s:%s: send failed: %s", *peer.addr, exc)
+
+    def _query(self, pull: _Pull) -> None:
+        pull.state = "query"
+        pull.retry_at = None
+        self._send(self._peers[pull.addr], proto.Query(v=proto.VERSION, req_id=pull.remote_req_id))
+
+    def _send_done(self, pull: _Pull) -> None:
+        peer = self._peers.get(pull.addr)
+        if peer is not None:
+            self._send(peer, proto.Done(v=proto.VERSION, req_id=pull.remote_req_id))
+
+    def _forget(self, req_id: str) -> None:
+        with self._ev_lock:
+            self._active.discard(req_id)
+
+    def _check_deadlines(self, wait: float | None) -> float | None:
+        now = time.monotonic()
+        for pull in list(self._pulls.values()):
+            if pull.state == "transferring" or self._pulls.get(pull.req_id) is not pull:
+                continue
+            if now >= pull.deadline:
+                err = (f"peer {pull.addr[0]}:{pull.addr[1]} did not serve {pull.remote_req_id!r} "
+                       f"within {self.config.timeout_s}s (last answer: {pull.last_reply})")
+                if pull.last_reply == "no answer":  # a silent peer: forget it, fail all its pulls
+                    self._fail_peer(self._peers.get(pull.addr), err)
+                if pull.req_id in self._pulls:
+                    self._fail(pull, err)
+                continue
+            if pull.retry_at is not None and now >= pull.retry_at:
+                self._query(pull)
+            nxt = pull.deadline if pull.retry_at is None else min(pull.deadline, pull.retry_at)
+            wait = nxt - now if wait is None else min(wait, nxt - now)
+        return wait
+
+    def _drain_peer(self, peer: _Peer) -> None:
+        for _ in range(256):
+            try:
+                frame = peer.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = proto.decode(frame, self.config.max_message_bytes)
+            except proto.ProtocolError as exc:
+                logger.warning("side channel from %s:%s: rejected a malformed reply: %s", *peer.addr, exc)
+                continue
+            self._on_reply(peer, msg)
+            if peer.addr not in self._peers:
+                return
+
+    def _pulls_of(self, peer: _Peer, remote_req_id: str | None = None) -> list[_Pull]:
+        return [
+            p for p in self._pulls.values()
+            if p.addr == peer.addr and (remote_req_id is None or p.remote_req_id == remote_req_id)
+        ]
+
+    def _on_reply(self, peer: _Peer, msg: proto.Message) -> None:
+        if isinstance(msg, proto.HelloOk) and peer.state == "hello":
+            self._on_hello(peer, msg)
+        elif isinstance(msg, proto.Error) and not msg.req_id:
+            what = "handshake rejected" if peer.state == "hello" else "error"
+            self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]} {what} ({msg.code}): {msg.message}")
+        elif isinstance(msg, (proto.Regions, proto.NotReady, proto.Error)):
+            for pull in self._pulls_of(peer, msg.req_id):
+                if pull.state == "query":
+                    self._on_query_reply(pull, peer, msg)
+        elif not isinstance(msg, proto.Ack):
+            logger.warning("side channel from %s:%s: unexpected %s", *peer.addr, type(msg).__name__)
+
+    def _on_hello(self, peer: _Peer, msg: proto.HelloOk) -> None:
+        if msg.compat_hash != self.compat_hash:
+            self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]} compat hash {msg.compat_hash[:12]} != "
+                            f"ours {self.compat_hash[:12]}")
+            return
+        try:
+            peer.agent = self._nixl.add_remote(msg.agent_md)
+        except Exception as exc:
+            self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]}: bad NIXL metadata: {exc}")
+            return
+        peer.state, peer.pool_addr, peer.pool_nbytes = "ready", msg.pool_addr, msg.pool_nbytes
+        logger.info("lynx sink: handshake with %s:%s done (agent %s)", *peer.addr, peer.agent)
+        for pull in self._pulls_of(peer):
+            self._query(pull)
+
+    def _on_query_reply(self, pull: _Pull, peer: _Peer, msg: proto.Message) -> None:
+        if isinstance(msg, proto.NotReady) or (isinstance(msg, proto.Error) and msg.code == "unknown_request"):
+            pull.last_reply = "not ready" if isinstance(msg, proto.NotReady) else "unknown request"
+            pull.retry_at = time.monotonic() + self.config.retry_s
+            return
+        if isinstance(msg, proto.Error):
+            self._fail(pull, f"peer {peer.addr[0]}:{peer.addr[1]} refused {pull.remote_req_id!r} "
+                       f"({msg.code}): {msg.message}")
+            return
+        assert isinstance(msg, proto.Regions)
+        want_r = 0 if pull.residual is None else pull.residual[1]
+        if msg.anchor_nbytes != pull.anchor[1] or msg.residual_nbytes != want_r:
+            self._fail(pull, f"size mismatch for {pull.remote_req_id!r}: remote anchor/residual "
+                       f"{msg.anchor_nbytes}/{msg.residual_nbytes} bytes, local views {pull.anchor[1]}/{want_r}")
+            return
+        for off, n in ((msg.anchor_offset, msg.anchor_nbytes), (msg.residual_offset, msg.residual_nbytes)):
+            if n and not (0 <= off and off + n <= peer.pool_nbytes):
+                self._fail(pull, f"region [{off}, {off + n}) outside the peer's {peer.pool_nbytes}-byte pool")
+                return
+        pull.state = "transferring"
+        self._sched.submit(StreamJob(pull.req_id, ANCHOR, peer.agent, pull.anchor[0],
+                                     peer.pool_addr + msg.anchor_offset, pull.anchor[1], pull.t0))
+        if pull.residual is not None:
+            self._sched.submit(StreamJob(pull.req_id, RESIDUAL, peer.agent, pull.residual[0],
+                                         peer.pool_addr + msg.residual_offset, pull.residual[1], pull.t0))
+
+    # ---- completion and failure --------------------------------------------------------------
+    def _on_event(self, ev: TransferEvent) -> None:
+        with self._ev_lock:
+            self._events.append(ev)
+        pull = self._pulls.get(ev.req_id)
+        if pull is None:
+            return
+        pull.pending.discard(ev.stream)
+        if not ev.ok and not pull.failed:
+            pull.failed = True
+            peer = self._peers.get(pull.addr)
+            err = ev.error or "transfer failed"
+            if peer is not None and ("NIXL" in err or "stalled" in err):
+                self._fail_peer(peer, err)
+        if not pull.pending and self._pulls.get(ev.req_id) is pull:
+            self._finish(pull)
+
+    def _finish(self, pull: _Pull) -> None:
+        self._pulls.pop(pull.req_id, None)
+        self._send_done(pull)
+        self._forget(pull.req_id)
+
+    def _fail(self, pull: _Pull, error: str) -> None:
+        """Fail a pull that has no stream in the scheduler yet, or all of its streams if it has."""
+        pull.failed = True
+        if pull.state == "transferring":
+            self._sched.fail(pull.req_id, error)
+            return
+        logger.warning("pull %s failed: %s", pull.req_id, error)
+        now = time.monotonic()
+        with self._ev_lock:
+            for stream in sorted(pull.pending, key=lambda s: s != ANCHOR):
+                self._events.append(TransferEvent(pull.req_id, stream, False, error, 0, now - pull.t0))  # type: ignore[arg-type]
+        pull.pending.clear()
+        self._finish(pull)
+
+    def _fail_peer(self, peer: _Peer | None, error: str) -> None:
+        """Fail every pull from a peer and drop it from the cache (the next pull re-handshakes)."""
+        if peer is None or self._peers.get(peer.addr) is not peer:
+            return
+        del self._peers[peer.addr]
+        for pull in self._pulls_of(peer):
+            if not pull.pending:
+                continue
+            self._fail(pull, error)
+        self._drop_peer_resources(peer)
+
+    def _drop_peer_resources(self, peer: _Peer) -> None:
+        try:
+            self._poller.unregister(peer.sock)
+        except KeyError:
+            pass
+        peer.sock.close(linger=0)
+        if peer.agent:
+            try:
+                self._nixl.remove_remote(peer.agent)
+            except Exception as exc:
+                logger.debug("remove_remote_agent(%s): %s", peer.agent, exc)
