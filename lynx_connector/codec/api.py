@@ -1,0 +1,108 @@
+"""The codec contract over vLLM's paged KV (docs/ARCHITECTURE.md): encode on P, decode_anchor and
+merge_residual on D, each on one layer of one request, by block ids (in any order, as vLLM allocated them).
+
+On CPU the torch twins run: gather the listed blocks with one ``index_select``, quantize token-major, and
+scatter with one ``index_copy_`` (the last, partial block is read-modified-written so rows >= num_tokens keep
+their bytes). With ``impl="triton"`` (default on CUDA tensors) the Lynx kernels address the cache directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Codec, check_plane
+from .layout import BlockIds, KVLayout
+
+
+def _use_triton(codec: Codec, kv_layer: torch.Tensor, impl: str) -> bool:
+    if impl == "torch":
+        return False
+    from .triton_path import supports_triton
+
+    ok = supports_triton(codec)
+    if impl == "triton":
+        if not ok:
+            raise ValueError(f"codec {codec!r} has no Triton kernels")
+        return True
+    return ok and kv_layer.is_cuda
+
+
+def encode(
+    codec: Codec,
+    kv_layer: torch.Tensor,
+    block_ids: BlockIds,
+    layout: KVLayout,
+    num_tokens: int,
+    anchor_out: torch.Tensor,
+    residual_out: torch.Tensor | None = None,
+    *,
+    layer_name: str = "layer",
+    impl: str = "auto",
+) -> None:
+    """P side: quantize the first ``num_tokens`` tokens held by ``block_ids`` into the planes."""
+    if _use_triton(codec, kv_layer, impl):
+        from .triton_path import encode_triton
+
+        encode_triton(codec, kv_layer, block_ids, layout, num_tokens, anchor_out, residual_out, layer_name)
+        return
+    k, v = layout.gather(kv_layer, block_ids, num_tokens)
+    codec.encode_tokens(k, v, anchor_out, residual_out, layer_name)
+
+
+def decode_anchor(
+    codec: Codec,
+    anchor: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_ids: BlockIds,
+    layout: KVLayout,
+    num_tokens: int,
+    *,
+    impl: str = "auto",
+) -> None:
+    """D side: write anchor-precision values (baselines: their only precision) into rows < num_tokens."""
+    _decode(codec, anchor, None, kv_layer, block_ids, layout, num_tokens, impl)
+
+
+def merge_residual(
+    codec: Codec,
+    anchor: torch.Tensor,
+    residual: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_ids: BlockIds,
+    layout: KVLayout,
+    num_tokens: int,
+    *,
+    impl: str = "auto",
+) -> None:
+    """D side: overwrite rows < num_tokens with full precision (anchor + residual). Idempotent."""
+    if not codec.two_stream:
+        raise ValueError(f"codec {codec.name} is single-stream: nothing to merge")
+    _decode(codec, anchor, residual, kv_layer, block_ids, layout, num_tokens, impl)
+
+
+def _decode(
+    codec: Codec,
+    anchor: torch.Tensor,
+    residual: torch.Tensor | None,
+    kv_layer: torch.Tensor,
+    block_ids: BlockIds,
+    layout: KVLayout,
+    num_tokens: int,
+    impl: str,
+) -> None:
+    h, d = layout.num_heads, layout.head_size
+    if _use_triton(codec, kv_layer, impl):
+        from .triton_path import decode_triton
+
+        decode_triton(codec, anchor, residual, kv_layer, block_ids, layout, num_tokens)
+        return
+    k, v = codec.decode_tokens(anchor, residual, num_tokens, h, d, layout.dtype)
+    layout.scatter(kv_layer, block_ids, num_tokens, k, v)
+
+
+def plane_nbytes(codec: Codec, layout: KVLayout, num_tokens: int) -> tuple[int, int]:
+    """(anchor_nbytes, residual_nbytes) of one layer of a ``num_tokens``-token request."""
+    return codec.plane_nbytes(num_tokens, layout.num_heads, layout.head_size, layout.dtype)
+
+
+__all__ = ["encode", "decode_anchor", "merge_residual", "plane_nbytes", "check_plane"]

@@ -1,0 +1,172 @@
+"""Group-wise asymmetric integer codecs: Lynx 4+4 (two streams) and the INT8 / INT4 / INT4-KIVI baselines.
+
+Plane format (all offsets even, so the fp16 metadata views are aligned):
+  anchor   = [K codes | K scale | K min | V codes | V scale | V min]
+  residual = [K residual codes | V residual codes]              (Lynx only)
+Codes are token-major ``[T, H, D]``; 4-bit codes are packed two per byte along D (low nibble first).
+Metadata is fp16 per group (``[T, H]`` for token groups, ``[ceil(T/G), H, D]`` for channel groups), and
+travels with the anchor because codes are useless without it.
+
+Groupings per tensor (``k_group`` / ``v_group``): ``token`` (the head_size values of one token and head),
+``channel`` (one channel over ``group_tokens`` tokens; groups span block boundaries since a request is
+encoded at once; the last group is ragged), ``hadamard`` (token groups after a randomized Hadamard rotation).
+Work is done in token chunks so the elementwise chain stays in cache (CPU throughput).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lynx_connector.kernels.groupquant_ref import dequantize_ref, meta_shape, quantize_ref
+from lynx_connector.kernels.pack import pack_nibbles, unpack_nibbles
+
+from .base import Codec, check_plane
+from .hadamard import rotate, unrotate
+
+GROUPINGS = ("token", "channel", "hadamard")
+CHUNK_ELEMS = 1 << 17  # values per chunk: keeps the ~15-op elementwise chain in L2
+
+
+def _mode(group: str) -> str:
+    return "token" if group == "hadamard" else group
+
+
+class GroupQuantCodec(Codec):
+    """``bits``-bit asymmetric group quantization; with ``residual`` (4-bit only) the Lynx 4+4 split."""
+
+    def __init__(
+        self,
+        name: str,
+        bits: int = 4,
+        residual: bool = False,
+        k_group: str = "token",
+        v_group: str = "token",
+        group_tokens: int = 64,
+    ) -> None:
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        if residual and bits != 4:
+            raise ValueError("the residual plane exists only for the 4+4 split")
+        for g in (k_group, v_group):
+            if g not in GROUPINGS:
+                raise ValueError(f"unknown grouping {g!r}; expected one of {GROUPINGS}")
+        if group_tokens < 1:
+            raise ValueError("group_tokens must be >= 1")
+        self.name, self.bits, self.two_stream = name, bits, residual
+        self.k_group, self.v_group, self.group_tokens = k_group, v_group, group_tokens
+        self.levels = (1 << bits) - 1
+
+    def __repr__(self) -> str:
+        return (f"GroupQuantCodec({self.name}, bits={self.bits}, residual={self.two_stream}, "
+                f"k={self.k_group}, v={self.v_group}, G={self.group_tokens})")
+
+    # ---- sizes ----------------------------------------------------------------------------------------
+    def _codes_nbytes(self, t: int, h: int, d: int) -> int:
+        return t * h * d * self.bits // 8
+
+    def _meta_groups(self, group: str, t: int, h: int, d: int) -> int:
+        return int(torch.Size(meta_shape(t, h, d, _mode(group), self.group_tokens)).numel())
+
+    def _tensor_nbytes(self, group: str, t: int, h: int, d: int) -> int:
+        return self._codes_nbytes(t, h, d) + 4 * self._meta_groups(group, t, h, d)
+
+    def plane_nbytes(self, num_tokens: int, num_heads: int, head_size: int, cache_dtype: torch.dtype) -> tuple[int, int]:
+        t, h, d = num_tokens, num_heads, head_size
+        anchor = self._tensor_nbytes(self.k_group, t, h, d) + self._tensor_nbytes(self.v_group, t, h, d)
+        return anchor, (2 * t * h * d // 2 if self.two_stream else 0)
+
+    def _chunk_tokens(self, group: str, h: int, d: int) -> int:
+        c = max(1, CHUNK_ELEMS // (h * d))
+        if _mode(group) == "channel":
+            c = max(1, c // self.group_tokens) * self.group_tokens
+        return c
+
+    def _split(self, buf: torch.Tensor, group: str, t: int, h: int, d: int) -> tuple[torch.Tensor, ...]:
+        """(codes, scale, min) views of one tensor's part of the anchor plane."""
+        nc, ng = self._codes_nbytes(t, h, d), self._meta_groups(group, t, h, d)
+        codes = buf[:nc]
+        scale = buf[nc:nc + 2 * ng].view(torch.float16)
+        mn = buf[nc + 2 * ng:nc + 4 * ng].view(torch.float16)
+        return codes, scale, mn
+
+    # ---- encode ---------------------------------------------------------------------------------------
+    def _pack(self, codes: torch.Tensor) -> torch.Tensor:
+        return pack_nibbles(codes) if self.bits == 4 else codes
+
+    def _encode_one(
+        self, x: torch.Tensor, group: str, abuf: torch.Tensor, rbuf: torch.Tensor | None, name: str
+    ) -> None:
+        t, h, d = x.shape
+        codes_out, scale_out, mn_out = self._split(abuf, group, t, h, d)
+        mode, g = _mode(group), self.group_tokens
+        step = self._chunk_tokens(group, h, d)
+        per_tok = h * d * self.bits // 8
+        per_group_tok = h if mode == "token" else h * d  # metadata entries per token / per token group
+        for t0 in range(0, t, step):
+            t1 = min(t, t0 + step)
+            xc = rotate(x[t0:t1]) if group == "hadamard" else x[t0:t1]
+            q = quantize_ref(xc, mode, g, self.levels, rbuf is not None, name)
+            codes_out[t0 * per_tok:t1 * per_tok].copy_(self._pack(q.codes).view(-1))
+            m0 = t0 * per_group_tok if mode == "token" else (t0 // g) * per_group_tok
+            scale_out[m0:m0 + q.scale.numel()].copy_(q.scale.view(-1))
+            mn_out[m0:m0 + q.mn.numel()].copy_(q.mn.view(-1))
+            if rbuf is not None:
+                half = h * d // 2
+                rbuf[t0 * half:t1 * half].copy_(pack_nibbles(q.residual).view(-1))
+
+    def encode_tokens(
+        self, k: torch.Tensor, v: torch.Tensor, anchor_out: torch.Tensor, residual_out: torch.Tensor | None, name: str
+    ) -> None:
+        t, h, d = k.shape
+        na, nr = self.plane_nbytes(t, h, d, k.dtype)
+        anchor = check_plane(anchor_out, na, "anchor")
+        residual = check_plane(residual_out, nr, "residual") if self.two_stream else None
+        nk = self._tensor_nbytes(self.k_group, t, h, d)
+        half = t * h * d // 2
+        self._encode_one(k, self.k_group, anchor[:nk], None if residual is None else residual[:half], f"{name}.k")
+        self._encode_one(v, self.v_group, anchor[nk:], None if residual is None else residual[half:], f"{name}.v")
+
+    # ---- decode ---------------------------------------------------------------------------------------
+    def _decode_one(
+        self, abuf: torch.Tensor, rbuf: torch.Tensor | None, group: str, t: int, h: int, d: int
+    ) -> torch.Tensor:
+        codes_b, scale, mn = self._split(abuf, group, t, h, d)
+        mode, g = _mode(group), self.group_tokens
+        mshape = meta_shape(t, h, d, mode, g)
+        scale, mn = scale.view(mshape), mn.view(mshape)
+        out = torch.empty((t, h, d), dtype=torch.float32)
+        step = self._chunk_tokens(group, h, d)
+        per_tok = h * d * self.bits // 8
+        for t0 in range(0, t, step):
+            t1 = min(t, t0 + step)
+            cb = codes_b[t0 * per_tok:t1 * per_tok]
+            codes = unpack_nibbles(cb.view(t1 - t0, h, d // 2)) if self.bits == 4 else cb.view(t1 - t0, h, d)
+            res = None
+            if rbuf is not None:
+                res = unpack_nibbles(rbuf[t0 * h * d // 2:t1 * h * d // 2].view(t1 - t0, h, d // 2))
+            ms = slice(t0, t1) if mode == "token" else slice(t0 // g, -(-t1 // g))
+            y = dequantize_ref(codes, res, scale[ms], mn[ms], mode, g)
+            out[t0:t1] = unrotate(y) if group == "hadamard" else y
+        return out
+
+    def decode_tokens(
+        self,
+        anchor: torch.Tensor,
+        residual: torch.Tensor | None,
+        num_tokens: int,
+        num_heads: int,
+        head_size: int,
+        cache_dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        t, h, d = num_tokens, num_heads, head_size
+        na, nr = self.plane_nbytes(t, h, d, cache_dtype)
+        anchor = check_plane(anchor, na, "anchor")
+        if residual is not None:
+            if not self.two_stream:
+                raise ValueError(f"codec {self.name} has no residual plane")
+            residual = check_plane(residual, nr, "residual")
+        nk = self._tensor_nbytes(self.k_group, t, h, d)
+        half = t * h * d // 2
+        k = self._decode_one(anchor[:nk], None if residual is None else residual[:half], self.k_group, t, h, d)
+        v = self._decode_one(anchor[nk:], None if residual is None else residual[half:], self.v_group, t, h, d)
+        return k, v
