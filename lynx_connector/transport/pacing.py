@@ -30,7 +30,9 @@ class TokenBucket:
         """Seconds until `nbytes` may be sent (0.0 if now)."""
         self._refill(now)
         need = min(float(nbytes), self.capacity)
-        return 0.0 if self.tokens >= need else (need - self.tokens) / self.rate
+        if self.tokens >= need - 1e-6:  # float slack: a refill computed from a returned wait may fall a hair short
+            return 0.0
+        return (need - self.tokens) / self.rate
 
     def consume(self, nbytes: int, now: float) -> bool:
         """Take `nbytes` tokens if available now; False (nothing taken) otherwise."""

@@ -42,7 +42,7 @@ Addr = tuple[str, int]
 class _Peer:
     addr: Addr
     sock: zmq.Socket
-    state: str = "hello"  # hello -> ready
+    state: str = "hello"  # hello -> ready; failed once dropped
     agent: str = ""
     pool_addr: int = 0
     pool_nbytes: int = 0
@@ -62,6 +62,7 @@ class _Pull:
     last_reply: str = "no answer"
     pending: set[str] = field(default_factory=set)
     failed: bool = False
+    done_sent: bool = False
 
 
 class TransferSink:
@@ -87,6 +88,7 @@ class TransferSink:
         self._waker = Waker(self._ctx)
         self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._events: list[TransferEvent] = []
+        self._sched_events: list[TransferEvent] = []  # service-thread only
         self._ev_lock = threading.Lock()
         self._active: set[str] = set()  # pulled and not yet forgotten (caller-side duplicate check)
         self._peers: dict[Addr, _Peer] = {}
@@ -187,6 +189,7 @@ class TransferSink:
         while not self._stop:
             self._run_commands()
             wait = self._sched.step()
+            self._process_sched_events()
             wait = self._check_deadlines(wait)
             timeout_ms = -1 if wait is None else (0 if wait <= 0 else max(1, int(wait * 1000 + 0.999)))
             if wait is not None and 0 < wait < 0.001:  # sub-ms waits: sleep precisely, not 1 ms
@@ -196,8 +199,9 @@ class TransferSink:
             if self._waker.receiver in ready:
                 self._waker.drain()
             for peer in list(self._peers.values()):
-                if peer.sock in ready:
+                if peer.sock in ready and self._peers.get(peer.addr) is peer:
                     self._drain_peer(peer)
+            self._process_sched_events()
             self.cpu_s = time.thread_time() - t_cpu
 
     def _run_commands(self) -> None:
@@ -355,31 +359,37 @@ class TransferSink:
 
     # ---- completion and failure --------------------------------------------------------------
     def _on_event(self, ev: TransferEvent) -> None:
+        """Scheduler callback: publish the event; bookkeeping runs later in `_process_sched_events`."""
         with self._ev_lock:
             self._events.append(ev)
-        pull = self._pulls.get(ev.req_id)
-        if pull is None:
-            return
-        pull.pending.discard(ev.stream)
-        if not ev.ok and not pull.failed:
-            pull.failed = True
-            peer = self._peers.get(pull.addr)
-            err = ev.error or "transfer failed"
-            if peer is not None and ("NIXL" in err or "stalled" in err):
-                self._fail_peer(peer, err)
-        if not pull.pending and self._pulls.get(ev.req_id) is pull:
-            self._finish(pull)
+        self._sched_events.append(ev)
+
+    def _process_sched_events(self) -> None:
+        while self._sched_events:
+            ev = self._sched_events.pop(0)
+            pull = self._pulls.get(ev.req_id)
+            if pull is None:
+                continue
+            pull.pending.discard(ev.stream)
+            if not ev.ok and not pull.failed:
+                pull.failed = True
+                err = ev.error or "transfer failed"
+                if "NIXL" in err or "stalled" in err:  # the data path to this peer is broken
+                    self._fail_peer(self._peers.get(pull.addr), err)
+            if not pull.pending and self._pulls.get(ev.req_id) is pull:
+                self._finish(pull)
 
     def _finish(self, pull: _Pull) -> None:
         self._pulls.pop(pull.req_id, None)
-        self._send_done(pull)
+        if not pull.done_sent:
+            self._send_done(pull)
         self._forget(pull.req_id)
 
     def _fail(self, pull: _Pull, error: str) -> None:
-        """Fail a pull that has no stream in the scheduler yet, or all of its streams if it has."""
+        """Fail a pull: its streams in the scheduler, or (before transfer) one failed event per stream."""
         pull.failed = True
         if pull.state == "transferring":
-            self._sched.fail(pull.req_id, error)
+            self._sched.fail(pull.req_id, error)  # events are processed by the service loop
             return
         logger.warning("pull %s failed: %s", pull.req_id, error)
         now = time.monotonic()
@@ -391,21 +401,23 @@ class TransferSink:
 
     def _fail_peer(self, peer: _Peer | None, error: str) -> None:
         """Fail every pull from a peer and drop it from the cache (the next pull re-handshakes)."""
-        if peer is None or self._peers.get(peer.addr) is not peer:
+        if peer is None or self._peers.get(peer.addr) is not peer or peer.state == "failed":
             return
-        del self._peers[peer.addr]
+        peer.state = "failed"
         for pull in self._pulls_of(peer):
-            if not pull.pending:
-                continue
-            self._fail(pull, error)
-        self._drop_peer_resources(peer)
+            self._send_done(pull)  # best effort: P frees now if it is alive (else its lease does)
+            pull.done_sent = True
+            if pull.pending:
+                self._fail(pull, error)
+        del self._peers[peer.addr]
+        self._drop_peer_resources(peer, linger_ms=100)
 
-    def _drop_peer_resources(self, peer: _Peer) -> None:
+    def _drop_peer_resources(self, peer: _Peer, linger_ms: int = 0) -> None:
         try:
             self._poller.unregister(peer.sock)
         except KeyError:
             pass
-        peer.sock.close(linger=0)
+        peer.sock.close(linger=linger_ms)
         if peer.agent:
             try:
                 self._nixl.remove_remote(peer.agent)

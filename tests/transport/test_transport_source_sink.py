@@ -1,0 +1,210 @@
+"""TransferSource + TransferSink in one process: real zmq side channel, fake NIXL."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import zmq
+
+from lynx_connector.transport import protocol as proto
+from lynx_connector.transport.config import TransportConfig
+from lynx_connector.transport.events import TransferEvent
+from lynx_connector.transport.pool import StagingFullError
+from lynx_connector.transport.sink import TransferSink
+from lynx_connector.transport.source import TransferSource
+
+from .fakes import FakeFabric, FakeNixlWrapper
+
+pytestmark = pytest.mark.timeout(60)
+
+COMPAT = {"model": "smollm2", "layers": 30, "kv_heads": 3, "head_size": 64, "codec": "lynx", "codec_version": 1}
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.005)
+
+
+def collect(sink: TransferSink, n: int, timeout: float = 5.0) -> list[TransferEvent]:
+    evs: list[TransferEvent] = []
+    wait_for(lambda: len(evs.extend(sink.poll()) or evs) >= n, timeout)
+    return evs
+
+
+@pytest.fixture
+def pair(fabric: FakeFabric) -> Iterator[tuple[TransferSource, TransferSink]]:
+    cfg = TransportConfig(pool_bytes=1 << 22, chunk_bytes=64 << 10, timeout_s=1.5, lease_s=30.0, retry_s=0.01)
+    src = TransferSource(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
+    sink = TransferSink(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "D"), record_posts=True)
+    yield src, sink
+    sink.close()
+    src.close()
+
+
+def stage(src: TransferSource, req: str, a: int, r: int, publish: bool = True):
+    st = src.alloc(req, a, r)
+    st.anchor.copy_(torch.randint(0, 256, (a,), dtype=torch.uint8))
+    if r:
+        st.residual.copy_(torch.randint(0, 256, (r,), dtype=torch.uint8))
+    if publish:
+        src.publish(req)
+    return st
+
+
+def test_pull_byte_exact_and_done_frees_p(pair) -> None:
+    src, sink = pair
+    st = stage(src, "p1", 100_000, 300_000)
+    st2 = stage(src, "p2", 50_000, 0)
+    loc = sink.pool.alloc_request("d1", 100_000, 300_000)
+    loc2 = sink.pool.alloc_request("d2", 50_000, 0)
+    sink.pull("d1", *src.address, "p1", loc.anchor, loc.residual)
+    sink.pull("d2", *src.address, "p2", loc2.anchor, None)
+    evs = collect(sink, 3)
+    assert all(e.ok for e in evs) and {(e.req_id, e.stream) for e in evs} == {
+        ("d1", "anchor"), ("d1", "residual"), ("d2", "anchor")}
+    assert torch.equal(loc.anchor, st.anchor) and torch.equal(loc.residual, st.residual)
+    assert torch.equal(loc2.anchor, st2.anchor)
+    wait_for(lambda: src.stats()["regions_live"] == 0)
+    assert sorted(src.poll()) == ["p1", "p2"] and src.stats()["bytes_allocated"] == 0
+    sink.release("d1")  # idempotent after the automatic done
+    assert sink.pool.regions_live == 3  # D's views are the caller's
+    sink.pool.free_request("d1")
+    sink.pool.free_request("d2")
+    assert sink.pool.regions_live == 0 and sink.stats()["peers"] == 1
+
+
+def test_not_ready_until_published(pair) -> None:
+    src, sink = pair
+    st = stage(src, "p1", 4096, 4096, publish=False)
+    loc = sink.pool.alloc_request("d1", 4096, 4096)
+    sink.pull("d1", *src.address, "p1", loc.anchor, loc.residual)
+    time.sleep(0.2)
+    assert sink.poll() == []
+    src.publish("p1")
+    evs = collect(sink, 2)
+    assert all(e.ok for e in evs) and torch.equal(loc.residual, st.residual)
+
+
+def test_unpublished_times_out_and_size_mismatch(pair) -> None:
+    src, sink = pair
+    stage(src, "p1", 4096, 0, publish=False)
+    stage(src, "p2", 4096, 8192)
+    loc = sink.pool.alloc_request("d1", 4096, 0)
+    loc2 = sink.pool.alloc_request("d2", 4096, 4096)
+    t0 = time.monotonic()
+    sink.pull("d1", *src.address, "p1", loc.anchor, None)
+    sink.pull("d2", *src.address, "p2", loc2.anchor, loc2.residual)
+    evs = collect(sink, 3)
+    by = {(e.req_id, e.stream): e for e in evs}
+    assert "size mismatch" in by[("d2", "anchor")].error and "8192" in by[("d2", "residual")].error
+    assert not by[("d1", "anchor")].ok and "not ready" in by[("d1", "anchor")].error
+    assert 1.4 < time.monotonic() - t0 < 3.0
+    wait_for(lambda: src.stats()["regions_live"] == 0)  # the failed pulls told P to free
+
+
+def test_incompatible_handshake_names_fields(pair, fabric: FakeFabric) -> None:
+    src, _ = pair
+    other = TransferSink(TransportConfig(pool_bytes=1 << 16, timeout_s=2.0),
+                         {**COMPAT, "layers": 32, "codec": "int8"}, nixl=FakeNixlWrapper(fabric, "D2"))
+    try:
+        loc = other.pool.alloc_request("x", 4096, 0)
+        other.pull("x", *src.address, "nope", loc.anchor, None)
+        (ev,) = collect(other, 1)
+        assert not ev.ok and "incompatible" in ev.error and "layers" in ev.error and "codec" in ev.error
+        assert "head_size" not in ev.error and other.stats()["peers"] == 0
+    finally:
+        other.close()
+
+
+def test_malformed_messages_rejected_listener_keeps_serving(pair) -> None:
+    src, sink = pair
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.RCVTIMEO, 3000)
+    raw.connect("tcp://%s:%d" % src.address)
+    try:
+        for junk in [b"\xc1", b"not msgpack at all", proto.encode(proto.Query(v=9, req_id="r")), b"x" * (3 << 19)]:
+            raw.send(junk)
+            reply = proto.decode(raw.recv(), 1 << 20)
+            assert isinstance(reply, proto.Error) and reply.code == "malformed"
+        raw.send_multipart([b"a", b"b"])
+        assert proto.decode(raw.recv(), 1 << 20).code == "malformed"
+        raw.send(proto.encode(proto.Regions(v=1, req_id="r", anchor_offset=0, anchor_nbytes=1,
+                                            residual_offset=-1, residual_nbytes=0)))
+        assert proto.decode(raw.recv(), 1 << 20).code == "unexpected"
+    finally:
+        raw.close()
+    assert src.stats()["malformed"] >= 4
+    st = stage(src, "p1", 4096, 0)
+    loc = sink.pool.alloc_request("d1", 4096, 0)
+    sink.pull("d1", *src.address, "p1", loc.anchor, None)
+    (ev,) = collect(sink, 1)
+    assert ev.ok and torch.equal(loc.anchor, st.anchor)
+
+
+def test_lease_expiry_abort_and_pool_full(fabric: FakeFabric) -> None:
+    cfg = TransportConfig(pool_bytes=1 << 16, lease_s=0.3)
+    src = TransferSource(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
+    try:
+        stage(src, "leased", 1000, 1000)
+        stage(src, "kept", 1000, 0, publish=False)  # unpublished: no lease running
+        with pytest.raises(StagingFullError):
+            src.alloc("big", 1 << 16, 0)
+        wait_for(lambda: src.stats()["requests_live"] == 1, timeout=3.0)
+        assert src.poll() == ["leased"] and src.stats()["freed_lease"] == 1
+        assert src.abort("kept") and not src.abort("kept")
+        assert src.stats()["regions_live"] == 0 and src.poll() == ["kept"]
+    finally:
+        src.close()
+
+
+def test_silent_peer_fails_within_timeout(fabric: FakeFabric) -> None:
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    sink = TransferSink(TransportConfig(pool_bytes=1 << 16, timeout_s=0.5), COMPAT,
+                        nixl=FakeNixlWrapper(fabric, "D"))
+    try:
+        loc = sink.pool.alloc_request("d", 4096, 4096)
+        t0 = time.monotonic()
+        sink.pull("d", "127.0.0.1", port, "r", loc.anchor, loc.residual)
+        evs = collect(sink, 2, timeout=3.0)
+        assert time.monotonic() - t0 < 1.5
+        assert [e.stream for e in evs] == ["anchor", "residual"] and all("did not serve" in e.error for e in evs)
+        assert sink.stats()["peers"] == 0 and sink.stats()["pulls_live"] == 0
+    finally:
+        sink.close()
+        silent.close()
+
+
+def test_nixl_failure_mid_transfer_and_abort(pair) -> None:
+    src, sink = pair
+    dnixl: FakeNixlWrapper = sink._nixl  # type: ignore[assignment]
+    stage(src, "p1", 8192, 65536)
+    loc = sink.pool.alloc_request("d1", 8192, 65536)
+    dnixl.fail_peers.add("P")
+    sink.pull("d1", *src.address, "p1", loc.anchor, loc.residual)
+    evs = collect(sink, 2)
+    assert not any(e.ok for e in evs) and "ERR" in evs[0].error
+    assert sink.stats()["peers"] == 0  # dropped: the next pull re-handshakes
+    dnixl.fail_peers.clear()
+    dnixl.hang = True
+    stage(src, "p2", 8192, 0)
+    loc2 = sink.pool.alloc_request("d2", 8192, 0)
+    sink.pull("d2", *src.address, "p2", loc2.anchor, None)
+    wait_for(lambda: dnixl.live_handles > 0)
+    sink.abort("d2")
+    assert dnixl.live_handles == 0 and sink.stats()["pulls_live"] == 0
+    wait_for(lambda: src.stats()["regions_live"] == 0)
+    time.sleep(0.1)
+    assert sink.poll() == []
+    with pytest.raises(ValueError, match="inside"):
+        sink.pull("d3", *src.address, "p3", torch.zeros(8, dtype=torch.uint8), None)
