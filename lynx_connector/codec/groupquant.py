@@ -42,6 +42,8 @@ class GroupQuantCodec(Codec):
         k_group: str = "token",
         v_group: str = "token",
         group_tokens: int = 64,
+        k_group_tokens: int | None = None,
+        v_group_tokens: int | None = None,
     ) -> None:
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
@@ -50,40 +52,47 @@ class GroupQuantCodec(Codec):
         for g in (k_group, v_group):
             if g not in GROUPINGS:
                 raise ValueError(f"unknown grouping {g!r}; expected one of {GROUPINGS}")
-        if group_tokens < 1:
+        self.k_tokens = k_group_tokens or group_tokens
+        self.v_tokens = v_group_tokens or group_tokens
+        if min(self.k_tokens, self.v_tokens) < 1:
             raise ValueError("group_tokens must be >= 1")
         self.name, self.bits, self.two_stream = name, bits, residual
-        self.k_group, self.v_group, self.group_tokens = k_group, v_group, group_tokens
+        self.k_group, self.v_group = k_group, v_group
         self.levels = (1 << bits) - 1
 
     def __repr__(self) -> str:
         return (f"GroupQuantCodec({self.name}, bits={self.bits}, residual={self.two_stream}, "
-                f"k={self.k_group}, v={self.v_group}, G={self.group_tokens})")
+                f"k={self.k_group}/{self.k_tokens}, v={self.v_group}/{self.v_tokens})")
+
+    def tokens_of(self, group: str, kind: str) -> int:
+        """Tokens per channel group of K (``kind='k'``) or V."""
+        return self.k_tokens if kind == "k" else self.v_tokens
 
     # ---- sizes ----------------------------------------------------------------------------------------
     def _codes_nbytes(self, t: int, h: int, d: int) -> int:
         return t * h * d * self.bits // 8
 
-    def _meta_groups(self, group: str, t: int, h: int, d: int) -> int:
-        return int(torch.Size(meta_shape(t, h, d, _mode(group), self.group_tokens)).numel())
+    def _meta_groups(self, group: str, g: int, t: int, h: int, d: int) -> int:
+        return int(torch.Size(meta_shape(t, h, d, _mode(group), g)).numel())
 
-    def _tensor_nbytes(self, group: str, t: int, h: int, d: int) -> int:
-        return self._codes_nbytes(t, h, d) + 4 * self._meta_groups(group, t, h, d)
+    def _tensor_nbytes(self, group: str, g: int, t: int, h: int, d: int) -> int:
+        return self._codes_nbytes(t, h, d) + 4 * self._meta_groups(group, g, t, h, d)
 
     def plane_nbytes(self, num_tokens: int, num_heads: int, head_size: int, cache_dtype: torch.dtype) -> tuple[int, int]:
         t, h, d = num_tokens, num_heads, head_size
-        anchor = self._tensor_nbytes(self.k_group, t, h, d) + self._tensor_nbytes(self.v_group, t, h, d)
+        anchor = self._tensor_nbytes(self.k_group, self.k_tokens, t, h, d) + self._tensor_nbytes(
+            self.v_group, self.v_tokens, t, h, d)
         return anchor, (2 * t * h * d // 2 if self.two_stream else 0)
 
-    def _chunk_tokens(self, group: str, h: int, d: int) -> int:
+    def _chunk_tokens(self, group: str, g: int, h: int, d: int) -> int:
         c = max(1, CHUNK_ELEMS // (h * d))
         if _mode(group) == "channel":
-            c = max(1, c // self.group_tokens) * self.group_tokens
+            c = max(1, c // g) * g
         return c
 
-    def _split(self, buf: torch.Tensor, group: str, t: int, h: int, d: int) -> tuple[torch.Tensor, ...]:
+    def _split(self, buf: torch.Tensor, group: str, g: int, t: int, h: int, d: int) -> tuple[torch.Tensor, ...]:
         """(codes, scale, min) views of one tensor's part of the anchor plane."""
-        nc, ng = self._codes_nbytes(t, h, d), self._meta_groups(group, t, h, d)
+        nc, ng = self._codes_nbytes(t, h, d), self._meta_groups(group, g, t, h, d)
         codes = buf[:nc]
         scale = buf[nc:nc + 2 * ng].view(torch.float16)
         mn = buf[nc + 2 * ng:nc + 4 * ng].view(torch.float16)
@@ -94,12 +103,12 @@ class GroupQuantCodec(Codec):
         return pack_nibbles(codes) if self.bits == 4 else codes
 
     def _encode_one(
-        self, x: torch.Tensor, group: str, abuf: torch.Tensor, rbuf: torch.Tensor | None, name: str
+        self, x: torch.Tensor, group: str, g: int, abuf: torch.Tensor, rbuf: torch.Tensor | None, name: str
     ) -> None:
         t, h, d = x.shape
-        codes_out, scale_out, mn_out = self._split(abuf, group, t, h, d)
-        mode, g = _mode(group), self.group_tokens
-        step = self._chunk_tokens(group, h, d)
+        codes_out, scale_out, mn_out = self._split(abuf, group, g, t, h, d)
+        mode = _mode(group)
+        step = self._chunk_tokens(group, g, h, d)
         per_tok = h * d * self.bits // 8
         per_group_tok = h if mode == "token" else h * d  # metadata entries per token / per token group
         for t0 in range(0, t, step):
@@ -121,21 +130,22 @@ class GroupQuantCodec(Codec):
         na, nr = self.plane_nbytes(t, h, d, k.dtype)
         anchor = check_plane(anchor_out, na, "anchor")
         residual = check_plane(residual_out, nr, "residual") if self.two_stream else None
-        nk = self._tensor_nbytes(self.k_group, t, h, d)
+        nk = self._tensor_nbytes(self.k_group, self.k_tokens, t, h, d)
         half = t * h * d // 2
-        self._encode_one(k, self.k_group, anchor[:nk], None if residual is None else residual[:half], f"{name}.k")
-        self._encode_one(v, self.v_group, anchor[nk:], None if residual is None else residual[half:], f"{name}.v")
+        rk, rv = (None, None) if residual is None else (residual[:half], residual[half:])
+        self._encode_one(k, self.k_group, self.k_tokens, anchor[:nk], rk, f"{name}.k")
+        self._encode_one(v, self.v_group, self.v_tokens, anchor[nk:], rv, f"{name}.v")
 
     # ---- decode ---------------------------------------------------------------------------------------
     def _decode_one(
-        self, abuf: torch.Tensor, rbuf: torch.Tensor | None, group: str, t: int, h: int, d: int
+        self, abuf: torch.Tensor, rbuf: torch.Tensor | None, group: str, g: int, t: int, h: int, d: int
     ) -> torch.Tensor:
-        codes_b, scale, mn = self._split(abuf, group, t, h, d)
-        mode, g = _mode(group), self.group_tokens
+        codes_b, scale, mn = self._split(abuf, group, g, t, h, d)
+        mode = _mode(group)
         mshape = meta_shape(t, h, d, mode, g)
         scale, mn = scale.view(mshape), mn.view(mshape)
         out = torch.empty((t, h, d), dtype=torch.float32)
-        step = self._chunk_tokens(group, h, d)
+        step = self._chunk_tokens(group, g, h, d)
         per_tok = h * d * self.bits // 8
         for t0 in range(0, t, step):
             t1 = min(t, t0 + step)
@@ -165,8 +175,9 @@ class GroupQuantCodec(Codec):
             if not self.two_stream:
                 raise ValueError(f"codec {self.name} has no residual plane")
             residual = check_plane(residual, nr, "residual")
-        nk = self._tensor_nbytes(self.k_group, t, h, d)
+        nk = self._tensor_nbytes(self.k_group, self.k_tokens, t, h, d)
         half = t * h * d // 2
-        k = self._decode_one(anchor[:nk], None if residual is None else residual[:half], self.k_group, t, h, d)
-        v = self._decode_one(anchor[nk:], None if residual is None else residual[half:], self.v_group, t, h, d)
+        rk, rv = (None, None) if residual is None else (residual[:half], residual[half:])
+        k = self._decode_one(anchor[:nk], rk, self.k_group, self.k_tokens, t, h, d)
+        v = self._decode_one(anchor[nk:], rv, self.v_group, self.v_tokens, t, h, d)
         return k, v

@@ -20,23 +20,24 @@ def supports_triton(codec: Codec) -> bool:
     """True when ``codec`` has Triton kernels (4-bit, token/channel groups, power-of-two group_tokens)."""
     if not isinstance(codec, GroupQuantCodec) or codec.bits != 4:
         return False
-    g = codec.group_tokens
-    return all(x in ("token", "channel") for x in (codec.k_group, codec.v_group)) and g & (g - 1) == 0
+    pow2 = all(g & (g - 1) == 0 for g in (codec.k_tokens, codec.v_tokens))
+    return all(x in ("token", "channel") for x in (codec.k_group, codec.v_group)) and pow2
 
 
 def _parts(codec: GroupQuantCodec, anchor, residual, t: int, h: int, d: int):
-    """Per tensor (K, V): (group, codes, residual codes | None, scale, min) views of the planes."""
+    """Per tensor (K, V): (group, group_tokens, codes, residual codes | None, scale, min) plane views."""
     na, nr = codec.plane_nbytes(t, h, d, torch.float32)
     anchor = check_plane(anchor, na, "anchor")
     if residual is not None:
         residual = check_plane(residual, nr, "residual")
-    nk = codec._tensor_nbytes(codec.k_group, t, h, d)
+    nk = codec._tensor_nbytes(codec.k_group, codec.k_tokens, t, h, d)
     half = t * h * d // 2
     out = []
-    for i, (group, abuf) in enumerate(((codec.k_group, anchor[:nk]), (codec.v_group, anchor[nk:]))):
-        codes, scale, mn = codec._split(abuf, group, t, h, d)
+    tensors = ((codec.k_group, codec.k_tokens, anchor[:nk]), (codec.v_group, codec.v_tokens, anchor[nk:]))
+    for i, (group, g, abuf) in enumerate(tensors):
+        codes, scale, mn = codec._split(abuf, group, g, t, h, d)
         res = None if residual is None else residual[i * half:(i + 1) * half]
-        out.append((group, codes, res, scale, mn))
+        out.append((group, g, codes, res, scale, mn))
     return out
 
 
@@ -56,11 +57,11 @@ def encode_triton(
     ids = _ids(kv_layer, block_ids, layout, t)
     if t == 0:
         return
-    for kind, (group, codes, res, scale, mn) in zip(
+    for kind, (group, g, codes, res, scale, mn) in zip(
         "kv", _parts(codec, anchor_out, residual_out if codec.two_stream else None, t, h, d), strict=True
     ):
         encode_paged(kv_layer, ids, layout.tile_addr(kv_layer, kind), t, h, layout.block_size, d, codes, res,
-                     scale, mn, group == "channel", codec.group_tokens, block_rows)
+                     scale, mn, group == "channel", g, block_rows)
         if not (bool(torch.isfinite(scale).all()) and bool(torch.isfinite(mn).all())):
             raise NonFiniteKVError(f"{layer_name}.{kind}: KV contains NaN/inf or exceeds the fp16 metadata range")
 
@@ -77,6 +78,6 @@ def decode_triton(
     ids = _ids(kv_layer, block_ids, layout, t)
     if t == 0:
         return
-    for kind, (group, codes, res, scale, mn) in zip("kv", _parts(codec, anchor, residual, t, h, d), strict=True):
+    for kind, (group, g, codes, res, scale, mn) in zip("kv", _parts(codec, anchor, residual, t, h, d), strict=True):
         decode_paged(kv_layer, ids, layout.tile_addr(kv_layer, kind), t, h, layout.block_size, d, codes, res,
-                     scale, mn, group == "channel", codec.group_tokens, block_rows)
+                     scale, mn, group == "channel", g, block_rows)
