@@ -359,9 +359,7 @@ class TransferSink:
 
     # ---- completion and failure --------------------------------------------------------------
     def _on_event(self, ev: TransferEvent) -> None:
-        """Scheduler callback: publish the event; bookkeeping runs later in `_process_sched_events`."""
-        with self._ev_lock:
-            self._events.append(ev)
+        """Scheduler callback: bookkeeping and publishing run later in `_process_sched_events`."""
         self._sched_events.append(ev)
 
     def _process_sched_events(self) -> None:
@@ -369,6 +367,7 @@ class TransferSink:
             ev = self._sched_events.pop(0)
             pull = self._pulls.get(ev.req_id)
             if pull is None:
+                self._publish([ev])
                 continue
             pull.pending.discard(ev.stream)
             if not ev.ok and not pull.failed:
@@ -378,6 +377,11 @@ class TransferSink:
                     self._fail_peer(self._peers.get(pull.addr), err)
             if not pull.pending and self._pulls.get(ev.req_id) is pull:
                 self._finish(pull)
+            self._publish([ev])  # after the bookkeeping: a terminal event means the req_id is free again
+
+    def _publish(self, events: list[TransferEvent]) -> None:
+        with self._ev_lock:
+            self._events.extend(events)
 
     def _finish(self, pull: _Pull) -> None:
         self._pulls.pop(pull.req_id, None)
@@ -393,11 +397,11 @@ class TransferSink:
             return
         logger.warning("pull %s failed: %s", pull.req_id, error)
         now = time.monotonic()
-        with self._ev_lock:
-            for stream in sorted(pull.pending, key=lambda s: s != ANCHOR):
-                self._events.append(TransferEvent(pull.req_id, stream, False, error, 0, now - pull.t0))  # type: ignore[arg-type]
+        events = [TransferEvent(pull.req_id, stream, False, error, 0, now - pull.t0)  # type: ignore[arg-type]
+                  for stream in sorted(pull.pending, key=lambda s: s != ANCHOR)]
         pull.pending.clear()
         self._finish(pull)
+        self._publish(events)
 
     def _fail_peer(self, peer: _Peer | None, error: str) -> None:
         """Fail every pull from a peer and drop it from the cache (the next pull re-handshakes)."""

@@ -1,0 +1,161 @@
+"""Integration: a real TransferSource in a spawned process, real TransferSinks here, real NIXL over loopback."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from lynx_connector.transport import protocol as proto
+from lynx_connector.transport.config import TransportConfig
+from lynx_connector.transport.events import TransferEvent
+from lynx_connector.transport.nixl_wrapper import nixl_available
+from lynx_connector.transport.peer import crc, start_source_process
+from lynx_connector.transport.sink import TransferSink
+
+pytestmark = [
+    pytest.mark.nixl,
+    pytest.mark.timeout(90),
+    pytest.mark.skipif(not nixl_available(), reason="NIXL not installed"),
+]
+
+COMPAT = {"model": "smollm2", "layers": 30, "kv_heads": 3, "head_size": 64, "codec": "lynx", "codec_version": 1}
+MB = 1 << 20
+
+
+def call(conn, *cmd):
+    conn.send(cmd)
+    assert conn.poll(60), f"source process did not answer {cmd[0]}"
+    tag, val = conn.recv()
+    assert tag == "ok", val
+    return val
+
+
+def wait_events(sink: TransferSink, n: int, timeout: float) -> list[tuple[float, TransferEvent]]:
+    out: list[tuple[float, TransferEvent]] = []
+    end = time.monotonic() + timeout
+    while len(out) < n:
+        assert time.monotonic() < end, f"only {len(out)} of {n} events: {out}"
+        out.extend((time.monotonic(), e) for e in sink.poll())
+        time.sleep(0.002)
+    return out
+
+
+@pytest.fixture(scope="module")
+def source() -> Iterator[tuple]:
+    proc, conn, addr = start_source_process(TransportConfig(pool_bytes=96 * MB, lease_s=60.0), COMPAT)
+    yield proc, conn, addr
+    if proc.is_alive():
+        conn.send(("stop",))
+        proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def sink() -> Iterator[TransferSink]:
+    s = TransferSink(TransportConfig(pool_bytes=96 * MB, timeout_s=3.0), COMPAT)
+    yield s
+    s.close()
+
+
+def test_byte_exact_and_done_frees_p(source, sink: TransferSink) -> None:
+    _, conn, addr = source
+    specs = [("a1", 3 * MB + 17, 5 * MB + 3, 11), ("a2", 777, 0, 12), ("a3", 4 * MB, 4 * MB, 13)]
+    sums = call(conn, "stage", specs, True)
+    views = {r: sink.pool.alloc_request(r, a, b) for r, a, b, _ in specs}
+    for r, st in views.items():
+        sink.pull(r, *addr, r, st.anchor, st.residual)
+    evs = [e for _, e in wait_events(sink, 5, 30)]
+    assert all(e.ok for e in evs), evs
+    for r, st in views.items():
+        assert (crc(st.anchor), crc(st.residual)) == tuple(sums[r])
+    end = time.monotonic() + 10
+    while sorted(call(conn, "freed")) != ["a1", "a2", "a3"]:
+        assert time.monotonic() < end, "P did not free its staging after D's done"
+        time.sleep(0.05)
+    assert call(conn, "stats")["regions_live"] == 0
+    for r in views:
+        sink.pool.free_request(r)
+    assert sink.pool.regions_live == 0
+
+
+def test_malformed_and_incompatible_handshakes_rejected(source, sink: TransferSink) -> None:
+    _, conn, addr = source
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.RCVTIMEO, 5000)
+    raw.connect("tcp://%s:%d" % addr)
+    try:
+        raw.send(b"\x93\x01\x02\x03")
+        assert proto.decode(raw.recv(), 1 << 20).code == "malformed"
+        raw.send(proto.encode(proto.Hello(v=1, compat={**COMPAT, "head_size": 128, "dtype": "fp8"})))
+        err = proto.decode(raw.recv(), 1 << 20)
+        assert err.code == "incompatible" and "head_size" in err.message and "dtype" in err.message
+        assert "layers" not in err.message
+    finally:
+        raw.close()
+    sums = call(conn, "stage", [("b1", 1000, 2000, 5)], True)  # the listener still serves
+    st = sink.pool.alloc_request("b1", 1000, 2000)
+    sink.pull("b1", *addr, "b1", st.anchor, st.residual)
+    assert all(e.ok for _, e in wait_events(sink, 2, 20))
+    assert (crc(st.anchor), crc(st.residual)) == tuple(sums["b1"])
+    sink.pool.free_request("b1")
+
+
+@pytest.fixture(scope="module")
+def paced_sink() -> Iterator[TransferSink]:
+    s = TransferSink(TransportConfig(pool_bytes=96 * MB, timeout_s=3.0, link_gbps=0.4), COMPAT)
+    yield s
+    s.close()
+
+
+def test_priority_anchor_overtakes_residual_under_pacing(source, paced_sink: TransferSink) -> None:
+    _, conn, addr = source
+    call(conn, "stage", [("c1", 256 * 1024, 16 * MB, 21), ("c2", 256 * 1024, 256 * 1024, 22)], True)
+    v1 = paced_sink.pool.alloc_request("c1", 256 * 1024, 16 * MB)
+    v2 = paced_sink.pool.alloc_request("c2", 256 * 1024, 256 * 1024)
+    paced_sink.pull("c1", *addr, "c1", v1.anchor, v1.residual)
+    first = wait_events(paced_sink, 1, 20)
+    assert first[0][1].stream == "anchor" and first[0][1].ok
+    time.sleep(0.05)  # c1's residual is now in flight (16 MiB at 50 MB/s: ~0.33 s)
+    paced_sink.pull("c2", *addr, "c2", v2.anchor, v2.residual)
+    evs = [e for _, e in wait_events(paced_sink, 3, 30)]
+    order = [(e.req_id, e.stream) for e in evs]
+    assert order.index(("c2", "anchor")) < order.index(("c1", "residual")), order
+    assert all(e.ok for e in evs)
+    r1 = next(e for e in evs if e.req_id == "c1" and e.stream == "residual")
+    assert r1.nbytes / r1.seconds <= 0.4e9 / 8 * 1.1  # paced: never faster than the link (+ initial chunk)
+    for r in ("c1", "c2"):
+        paced_sink.pool.free_request(r)
+
+
+def test_peer_killed_mid_transfer_fails_within_timeout(source, paced_sink: TransferSink) -> None:
+    proc, conn, addr = start_source_process(TransportConfig(pool_bytes=64 * MB, lease_s=60.0), COMPAT)
+    try:
+        call(conn, "stage", [("k1", 64 * 1024, 40 * MB, 31)], True)
+        v = paced_sink.pool.alloc_request("k1", 64 * 1024, 40 * MB)
+        paced_sink.pull("k1", *addr, "k1", v.anchor, v.residual)
+        (t_anchor, ev), = wait_events(paced_sink, 1, 20)
+        assert ev.stream == "anchor" and ev.ok
+        proc.kill()  # SIGKILL while the 40 MiB residual is being paced (~0.8 s)
+        t_kill = time.monotonic()
+        (t_fail, ev), = wait_events(paced_sink, 1, 10)
+        assert ev.req_id == "k1" and ev.stream == "residual" and not ev.ok and ev.error
+        assert t_fail - t_kill < 3.0 + 1.0  # within timeout_s (+ slack)
+        assert paced_sink.stats()["pulls_live"] == 0 and paced_sink.stats()["peers"] == 1
+        paced_sink.pool.free_request("k1")
+        assert paced_sink.pool.regions_live == 0
+    finally:
+        proc.kill()
+        proc.join(10)
+    # the sink still serves other peers
+    _, conn1, addr1 = source
+    sums = call(conn1, "stage", [("k2", 5000, 0, 41)], True)
+    v2 = paced_sink.pool.alloc_request("k2", 5000, 0)
+    paced_sink.pull("k2", *addr1, "k2", v2.anchor, None)
+    (_, ev2), = wait_events(paced_sink, 1, 20)
+    assert ev2.ok and crc(v2.anchor) == sums["k2"][0]
+    paced_sink.pool.free_request("k2")
