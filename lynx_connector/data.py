@@ -65,6 +65,15 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def _cut_at_word_end(text: str, limit: int) -> str:
+    """``text[:i]`` for the largest ``i <= limit`` that ends a word, so its tokens are a prefix of the full text's
+    (the byte-level pre-tokenizer splits before the whitespace that follows a word)."""
+    i = min(limit, len(text) - 1)
+    while i > 0 and not (text[i].isspace() and not text[i - 1].isspace()):
+        i -= 1
+    return text[:i] if i > 0 else text[:limit]
+
+
 def haystack_tokens(tokenizer: Any, n_tokens: int) -> list[int]:
     """The first ``n_tokens`` tokens of the essay corpus (the corpus repeats if it is shorter than that)."""
     if n_tokens <= 0:
@@ -72,10 +81,9 @@ def haystack_tokens(tokenizer: Any, n_tokens: int) -> list[int]:
     corpus = load_essays()
     chars = n_tokens * _CHARS_PER_TOKEN
     while True:
-        text = corpus if chars >= len(corpus) else corpus[:chars]
+        text = corpus if chars >= len(corpus) else _cut_at_word_end(corpus, chars)
         ids = _encode(tokenizer, text)
-        # The last token of a truncated text may be cut mid-word: require one spare token.
-        if len(ids) > n_tokens or (text is corpus and len(ids) == n_tokens):
+        if len(ids) >= n_tokens:
             return ids[:n_tokens]
         if text is corpus:  # the whole corpus is too short: repeat it
             reps = n_tokens // max(len(ids), 1) + 1
