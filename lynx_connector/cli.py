@@ -65,8 +65,7 @@ def _add_bench(subparsers: Any, load: bool) -> None:
             if added:
                 continue
         parser = bench_sub.add_parser(name, help=f"{name} benchmark")
-        parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-        parser.set_defaults(func=_not_available(f"bench {name}"))
+        parser.set_defaults(func=_not_available(f"bench {name}"), takes_rest=True)
 
 
 def _bench_runner(module: ModuleType) -> Any:
@@ -83,13 +82,12 @@ def _add_demo(subparsers: Any, load: bool) -> None:
     demo_parser = subparsers.add_parser("demo", help="run the 1P1D demo (P, D and proxy on this machine)")
     module = _optional_module("lynx_connector.demo") if load else None
     if module is None:
-        demo_parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-        demo_parser.set_defaults(func=_not_available("demo"))
+        demo_parser.set_defaults(func=_not_available("demo"), takes_rest=True)
         return
     if hasattr(module, "add_arguments"):
         module.add_arguments(demo_parser)
-    else:
-        demo_parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    else:  # the demo parses its own arguments from args.rest
+        demo_parser.set_defaults(takes_rest=True)
 
     def run(args: argparse.Namespace) -> int:
         result = module.main(args)
@@ -148,7 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return serve.main(args_list[1:])
         return serve.run_vllm(args_list[1:])
     parser = build_parser(args_list)
-    args = parser.parse_args(args_list)
+    args, rest = parser.parse_known_args(args_list)
+    if getattr(args, "takes_rest", False):
+        args.rest = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return int(args.func(args) or 0)
     except NotAvailable as e:
