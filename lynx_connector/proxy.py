@@ -122,7 +122,7 @@ def _forward_headers(request: web.Request, request_id: str) -> dict[str, str]:
 
 
 def _side_error(side: str, url: str, exc: BaseException) -> UpstreamError:
-    if isinstance(exc, asyncio.TimeoutError):
+    if isinstance(exc, TimeoutError):
         return UpstreamError(504, f"{side} server {url} timed out", f"{side}_timeout")
     return UpstreamError(503, f"{side} server {url} unreachable: {exc}", f"{side}_unavailable")
 
@@ -152,7 +152,7 @@ async def _prefill(state: _State, request: web.Request, body: dict[str, Any], ch
             except ValueError as e:
                 raise UpstreamError(502, f"prefill server {url} returned invalid JSON: {e}",
                                     "prefill_error") from e
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         raise _side_error("prefill", url, e) from e
     params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
     if not isinstance(params, dict) or not params:
@@ -173,7 +173,7 @@ async def _decode(state: _State, request: web.Request, body: dict[str, Any], pat
     try:
         resp = await state.session.post(url + path, json=body,
                                         headers=_forward_headers(request, request_id))
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         raise _side_error("decode", url, e) from e
     try:
         if resp.status != 200:
@@ -182,7 +182,7 @@ async def _decode(state: _State, request: web.Request, body: dict[str, Any], pat
         if not body.get("stream"):
             try:
                 payload = await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (TimeoutError, aiohttp.ClientError) as e:
                 raise _side_error("decode", url, e) from e
             return web.Response(body=payload, status=resp.status,
                                 headers={"Content-Type": content_type})
@@ -192,7 +192,7 @@ async def _decode(state: _State, request: web.Request, body: dict[str, Any], pat
         try:
             async for chunk in resp.content.iter_any():
                 await out.write(chunk)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             logger.warning("request %s: decode server %s failed mid-stream: %s", request_id, url, e)
             event = {"error": {"message": f"decode server {url} failed mid-stream: {e}",
                                "type": "decode_error", "code": 502}}
@@ -236,7 +236,7 @@ async def _check(session: aiohttp.ClientSession, url: str, timeout_s: float) -> 
         async with session.get(url + "/health",
                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             return "ok" if resp.status == 200 else f"HTTP {resp.status}"
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         return f"unreachable: {e or type(e).__name__}"
 
 
@@ -266,7 +266,7 @@ async def handle_models(request: web.Request) -> web.StreamResponse:
             payload = await resp.read()
             return web.Response(body=payload, status=resp.status,
                                 headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         return _side_error("decode", url, e).response()
 
 
