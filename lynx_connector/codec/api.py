@@ -40,6 +40,8 @@ def encode(
     impl: str = "auto",
 ) -> None:
     """P side: quantize the first ``num_tokens`` tokens held by ``block_ids`` into the planes."""
+    if num_tokens == 0:
+        return
     if _use_triton(codec, kv_layer, impl):
         from .triton_path import encode_triton
 
@@ -91,6 +93,8 @@ def _decode(
     impl: str,
 ) -> None:
     h, d = layout.num_heads, layout.head_size
+    if num_tokens == 0:
+        return
     if _use_triton(codec, kv_layer, impl):
         from .triton_path import decode_triton
 

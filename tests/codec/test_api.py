@@ -1,0 +1,147 @@
+"""The codec contract on paged KV: round trips within each codec's bound, block ids in any order, idempotence,
+untouched blocks and rows beyond num_tokens, non-finite input rejected, plane sizes and wire bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lynx_connector.codec import (
+    CODEC_NAMES,
+    KVLayout,
+    NonFiniteKVError,
+    decode_anchor,
+    encode,
+    get_codec,
+    merge_residual,
+    plane_nbytes,
+)
+
+H, BS = 2, 32
+
+
+def _setup(dtype: torch.dtype, head_size: int = 64, isa: str = "vec", seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    src = (torch.randn(6, H, BS, 2 * head_size, generator=gen) * 2).to(dtype)
+    return src, KVLayout.cpu(H, BS, head_size, dtype, isa=isa)
+
+
+def _planes(codec, layout, t):
+    a, r = plane_nbytes(codec, layout, t)
+    return torch.zeros(a, dtype=torch.uint8), (torch.zeros(r, dtype=torch.uint8) if r else None)
+
+
+def _max_rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((x.float() - y.float()).abs().max() / x.float().abs().max())
+
+
+# worst-case |err| / max|x| per codec (groups span at most 2*max|x|): half a step, plus dtype rounding
+BOUNDS = {"lynx": 2 / 15 / 2 + 0.01, "int4": 2 / 15 / 2 + 0.01, "int4_kivi": 2 / 15 / 2 + 0.01,
+          "int8": 2 / 255 / 2 + 0.01, "fp8": 2**-4 + 0.01, "bf16": 0.0}
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_within_bound(name: str, dtype: torch.dtype) -> None:
+    src, layout = _setup(dtype)
+    codec, t, ids = get_codec(name), 3 * BS + 5, [5, 2, 0, 3]
+    anchor, residual = _planes(codec, layout, t)
+    encode(codec, src, ids, layout, t, anchor, residual)
+    dst = torch.zeros_like(src)
+    decode_anchor(codec, anchor, dst, ids, layout, t)
+    (k, v), (k2, v2) = layout.gather(src, ids, t), layout.gather(dst, ids, t)
+    for x, y in ((k, k2), (v, v2)):
+        if name == "bf16":
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        else:
+            assert _max_rel_err(x, y) <= BOUNDS[name]
+    if codec.two_stream:
+        merge_residual(codec, anchor, residual, dst, ids, layout, t)
+        (k3, v3) = layout.gather(dst, ids, t)
+        tol = 2 / 15 / 32 + (2**-8 if dtype == torch.bfloat16 else 2**-10)
+        assert _max_rel_err(k, k3) <= tol and _max_rel_err(v, v3) <= tol
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_untouched_rows_blocks_and_idempotence(head_size: int, isa: str) -> None:
+    src, layout = _setup(torch.bfloat16, head_size, isa, seed=head_size)
+    codec, t, ids = get_codec("lynx"), 2 * BS + 9, [4, 1, 3, 0]  # 3 blocks used; id 0 listed but unused
+    anchor, residual = _planes(codec, layout, t)
+    encode(codec, src, ids, layout, t, anchor, residual)
+    a2, r2 = anchor.clone(), residual.clone()
+    encode(codec, src, ids, layout, t, a2, r2)
+    assert torch.equal(anchor, a2) and torch.equal(residual, r2)
+    dst = torch.randn_like(src.float()).to(src.dtype)
+    before = dst.clone()
+    decode_anchor(codec, anchor, dst, ids, layout, t)
+    merge_residual(codec, anchor, residual, dst, ids, layout, t)
+    once = dst.clone()
+    merge_residual(codec, anchor, residual, dst, ids, layout, t)
+    assert torch.equal(dst.view(torch.uint8), once.view(torch.uint8))
+    for b in (0, 2, 5):  # not used
+        assert torch.equal(dst[b].view(torch.int16), before[b].view(torch.int16))
+    k_new, _ = layout.gather(dst, [3], BS)
+    k_old, _ = layout.gather(before, [3], BS)
+    tail = t - 2 * BS
+    assert torch.equal(k_new[tail:].view(torch.int16), k_old[tail:].view(torch.int16))
+
+
+def test_block_order_is_respected() -> None:
+    src, layout = _setup(torch.float32)
+    codec, t = get_codec("lynx"), 2 * BS
+    a1, r1 = _planes(codec, layout, t)
+    a2, r2 = _planes(codec, layout, t)
+    encode(codec, src, [1, 4], layout, t, a1, r1)
+    swapped = src.clone()
+    swapped[[1, 4]] = src[[4, 1]]
+    encode(codec, swapped, [4, 1], layout, t, a2, r2)
+    assert torch.equal(a1, a2) and torch.equal(r1, r2)
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_rejected(name: str, bad: float) -> None:
+    src, layout = _setup(torch.float32)
+    src[2, 1, 3, 70] = bad  # a V value of block 2
+    codec = get_codec(name)
+    anchor, residual = _planes(codec, layout, BS)
+    with pytest.raises(NonFiniteKVError, match="layer7"):
+        encode(codec, src, [2], layout, BS, anchor, residual, layer_name="layer7")
+
+
+def test_plane_sizes_and_bits() -> None:
+    layout = KVLayout.cpu(3, BS, 64, torch.bfloat16, isa="vec")
+    bits = {n: get_codec(n).bits_per_value(1024, 3, 64, torch.bfloat16) for n in CODEC_NAMES}
+    assert bits["lynx"][0] <= 4.6 and bits["lynx"][1] <= 8.6
+    assert bits["int4"] == (4.5, 4.5) and bits["int8"] == (8.5, 8.5) and bits["bf16"] == (16.0, 16.0)
+    assert bits["fp8"] == (8.25, 8.25) and bits["int4_kivi"] == (4.5, 4.5)
+    assert plane_nbytes(get_codec("int4"), layout, 10)[1] == 0
+    with pytest.raises(ValueError):
+        get_codec("nope")
+    with pytest.raises(ValueError):
+        merge_residual(get_codec("int8"), torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8),
+                       torch.zeros(1, H, BS, 128), [0], KVLayout.cpu(H, BS, 64, torch.float32, isa="vec"), 1)
+
+
+@pytest.mark.parametrize("opts", [{"k_group": "token", "v_group": "token"}, {"k_group": "hadamard", "v_group": "hadamard"},
+                                  {"group_tokens": 64}, {"k_group_tokens": 16, "v_group": "token"}])
+def test_groupings_selectable(opts: dict) -> None:
+    src, layout = _setup(torch.float32)
+    codec, t, ids = get_codec("lynx", **opts), BS + 3, [3, 1]
+    anchor, residual = _planes(codec, layout, t)
+    encode(codec, src, ids, layout, t, anchor, residual)
+    dst = torch.zeros_like(src)
+    merge_residual(codec, anchor, residual, dst, ids, layout, t)
+    (k, v), (k2, v2) = layout.gather(src, ids, t), layout.gather(dst, ids, t)
+    assert _max_rel_err(k, k2) < 0.01 and _max_rel_err(v, v2) < 0.01
+
+
+def test_zero_tokens_is_noop() -> None:
+    src, layout = _setup(torch.float32)
+    codec = get_codec("lynx")
+    anchor, residual = _planes(codec, layout, 0)
+    encode(codec, src, [], layout, 0, anchor, residual)
+    before = src.clone()
+    decode_anchor(codec, anchor, src, [], layout, 0)
+    assert torch.equal(src, before)
