@@ -26,7 +26,9 @@ ESSAY_SEP = "\n\n"
 _CHARS_PER_TOKEN = 6
 
 NEEDLE_TEMPLATE = "The special magic number for {city} is {number}."
-QUESTION_TEMPLATE = "What is the special magic number for {city} mentioned in the text above? Answer with the number."
+QUESTION_TEMPLATE = (
+    "What is the special magic number for {city} mentioned in the text above? Answer with the number."
+)
 ANSWER_PREFIX_TEMPLATE = "The special magic number for {city} is"
 CITIES = (
     "Chicago", "Lisbon", "Nairobi", "Osaka", "Montreal", "Krakow", "Santiago", "Hanoi",

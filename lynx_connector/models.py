@@ -194,7 +194,9 @@ def _dir_size_mb(path: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lynx_connector.models", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lynx_connector.models", description=__doc__.split("\n")[0]
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_prep = sub.add_parser("prepare", help="convert the model into the cache once (no-op when done)")
     p_prep.add_argument("--force", action="store_true", help="rebuild even when already prepared")

@@ -173,7 +173,9 @@ def _gather_all(paged: PagedKV, caches: list[Any]) -> tuple[list[Any], list[Any]
     return ks, vs
 
 
-def bench_codec(name: str, paged: PagedKV, ref: tuple[list[Any], list[Any]], repeats: int) -> list[dict[str, Any]]:
+def bench_codec(
+    name: str, paged: PagedKV, ref: tuple[list[Any], list[Any]], repeats: int
+) -> list[dict[str, Any]]:
     """Rows for codec ``name`` (``lynx`` gives the ``lynx_anchor`` and ``lynx_full`` rows)."""
     import torch
 
@@ -187,7 +189,9 @@ def bench_codec(name: str, paged: PagedKV, ref: tuple[list[Any], list[Any]], rep
     anchor_nb, residual_nb = codec.plane_nbytes(t, h, d, first.dtype)
     n_layers = len(paged.layers)
     anchors = [torch.zeros(anchor_nb, dtype=torch.uint8) for _ in range(n_layers)]
-    residuals = [torch.zeros(residual_nb, dtype=torch.uint8) if residual_nb else None for _ in range(n_layers)]
+    residuals = [
+        torch.zeros(residual_nb, dtype=torch.uint8) if residual_nb else None for _ in range(n_layers)
+    ]
     dsts = [torch.zeros_like(kv) for kv in paged.layers]
     ids, layout = paged.block_ids, paged.layout
 
@@ -343,7 +347,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="every codec on real SmolLM2 KV: bits/value, vNMSE, encode/decode GB/s vs memcpy",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("--tokens", type=int, default=None, help=f"essay tokens to prefill (default {DEFAULT_TOKENS})")
+    p.add_argument(
+        "--tokens", type=int, default=None, help=f"essay tokens to prefill (default {DEFAULT_TOKENS})"
+    )
     p.add_argument("--quick", action="store_true", help=f"{QUICK_TOKENS} tokens and fewer repeats (< 1 min)")
     p.add_argument("--codecs", default=",".join(CODEC_ROWS), help="comma-separated rows to run")
     p.add_argument("--cache-dtype", default="float32", choices=("float32", "bfloat16", "float16"))

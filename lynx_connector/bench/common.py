@@ -50,7 +50,11 @@ def git_revision(root: Path = REPO_ROOT) -> dict[str, Any]:
     """``{"commit": sha|None, "dirty": bool|None}`` of the checkout the package runs from."""
     try:
         sha = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
         ).stdout.strip()
         status = subprocess.run(
             ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
@@ -110,7 +114,7 @@ def hardware_info() -> dict[str, Any]:
 def environment_info() -> dict[str, Any]:
     """Everything a result JSON records about where and what it ran: merge it into the result dict."""
     return {
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "python": platform.python_version(),
         "platform": platform.platform(),
