@@ -59,10 +59,13 @@ def decode_anchor(
     layout: KVLayout,
     num_tokens: int,
     *,
+    skip_blocks: int = 0,
     impl: str = "auto",
 ) -> None:
-    """D side: write anchor-precision values (baselines: their only precision) into rows < num_tokens."""
-    _decode(codec, anchor, None, kv_layer, block_ids, layout, num_tokens, impl)
+    """D side: write anchor-precision values (baselines: their only precision) into rows < num_tokens.
+
+    The first ``skip_blocks`` blocks are left untouched (D's prefix cache already holds them, shared)."""
+    _decode(codec, anchor, None, kv_layer, block_ids, layout, num_tokens, impl, skip_blocks)
 
 
 def merge_residual(
@@ -74,12 +77,14 @@ def merge_residual(
     layout: KVLayout,
     num_tokens: int,
     *,
+    skip_blocks: int = 0,
     impl: str = "auto",
 ) -> None:
-    """D side: overwrite rows < num_tokens with full precision (anchor + residual). Idempotent."""
+    """D side: overwrite rows < num_tokens with full precision (anchor + residual). Idempotent.
+    The first ``skip_blocks`` blocks are left untouched, as in :func:`decode_anchor`."""
     if not codec.two_stream:
         raise ValueError(f"codec {codec.name} is single-stream: nothing to merge")
-    _decode(codec, anchor, residual, kv_layer, block_ids, layout, num_tokens, impl)
+    _decode(codec, anchor, residual, kv_layer, block_ids, layout, num_tokens, impl, skip_blocks)
 
 
 def _decode(
@@ -91,17 +96,24 @@ def _decode(
     layout: KVLayout,
     num_tokens: int,
     impl: str,
+    skip_blocks: int = 0,
 ) -> None:
     h, d = layout.num_heads, layout.head_size
-    if num_tokens == 0:
+    skip = skip_blocks * layout.block_size
+    if not 0 <= skip <= num_tokens:
+        raise ValueError(f"skip_blocks={skip_blocks} does not fit {num_tokens} tokens")
+    if num_tokens == skip:
         return
-    if _use_triton(codec, kv_layer, impl):
+    if skip == 0 and _use_triton(codec, kv_layer, impl):
         from .triton_path import decode_triton
 
         decode_triton(codec, anchor, residual, kv_layer, block_ids, layout, num_tokens)
         return
     k, v = codec.decode_tokens(anchor, residual, num_tokens, h, d, layout.dtype)
-    layout.scatter(kv_layer, block_ids, num_tokens, k, v)
+    if skip:  # groups may span blocks, so decode everything and write only the blocks after the skipped ones
+        block_ids = list(block_ids)[skip_blocks:]
+        k, v = k[skip:], v[skip:]
+    layout.scatter(kv_layer, block_ids, num_tokens - skip, k, v)
 
 
 def plane_nbytes(codec: Codec, layout: KVLayout, num_tokens: int) -> tuple[int, int]:

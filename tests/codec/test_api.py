@@ -145,3 +145,29 @@ def test_zero_tokens_is_noop() -> None:
     before = src.clone()
     decode_anchor(codec, anchor, src, [], layout, 0)
     assert torch.equal(src, before)
+
+
+def test_skip_blocks_leaves_prefix_cache_blocks_untouched():
+    """D's local prefix-cache hits are shared blocks: decoding must not write them."""
+    import torch
+
+    from lynx_connector.codec import KVLayout, decode_anchor, encode, get_codec, merge_residual
+
+    torch.manual_seed(3)
+    layout = KVLayout.cpu(2, 32, 64, torch.float32, isa="vec")
+    kv = torch.randn(8, 2, 32, 128)
+    codec = get_codec("lynx")
+    n = 80
+    a, r = codec.plane_nbytes(n, 2, 64, torch.float32)
+    pa, pr = torch.empty(a, dtype=torch.uint8), torch.empty(r, dtype=torch.uint8)
+    encode(codec, kv, [5, 1, 6], layout, n, pa, pr)
+    dst = torch.randn(8, 2, 32, 128)
+    before = dst.clone()
+    merge_residual(codec, pa, pr, dst, [2, 3, 4], layout, n, skip_blocks=1)
+    assert torch.equal(dst[2], before[2])  # skipped
+    ref = dst.clone()
+    merge_residual(codec, pa, pr, ref, [2, 3, 4], layout, n)
+    assert torch.equal(dst[3:5], ref[3:5]) and not torch.equal(ref[2], before[2])
+    decode_anchor(codec, pa, dst, [2, 3, 4], layout, n, skip_blocks=2)
+    assert torch.equal(dst[3], ref[3])  # skipped this time
+    assert not torch.equal(dst[4], ref[4])  # written at anchor precision
