@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lynx_connector.config import MODES
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
+
+from lynx_connector.config import MODES
 
 #: Version of the kv_transfer_params / side-channel contract; D refuses a P that speaks another one.
 LYNX_PARAMS_VERSION = 1

@@ -13,16 +13,31 @@ Every path ends in ``_finish_recv``: staging freed on both sides, exactly once, 
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lynx_connector.codec import KVLayout, NonFiniteKVError, decode_anchor, encode, get_codec, merge_residual
+from lynx_connector.codec import (
+    LYNX_DEFAULTS,
+    KVLayout,
+    NonFiniteKVError,
+    decode_anchor,
+    encode,
+    get_codec,
+    merge_residual,
+)
 from lynx_connector.config import LYNX_MODES, LynxConfig
 from lynx_connector.logger import init_logger
-from lynx_connector.metadata import LynxConnectorMetadata, LynxHandshakeMetadata, LynxWorkerMeta, RecvSpec, SaveSpec
+from lynx_connector.metadata import (
+    LynxConnectorMetadata,
+    LynxHandshakeMetadata,
+    LynxWorkerMeta,
+    RecvSpec,
+    SaveSpec,
+)
 from lynx_connector.stats import LynxStats
 from lynx_connector.transport import TransferSink, TransferSource, TransportConfig
 
@@ -78,13 +93,10 @@ class LynxConnectorWorker:
             raise ValueError("LynxConnector: register_kv_caches got no KV cache tensors")
         first = self.layers[0][1]
         model_cfg = self.vllm_config.model_config
-        self.layout = KVLayout.for_vllm(
-            first,
-            block_size=self.block_size,
-            num_kv_heads=model_cfg.get_num_kv_heads(self.vllm_config.parallel_config),
-            head_size=model_cfg.get_head_size(),
-            device=str(first.device),
-        )
+        # vLLM's CPU backend keeps a K tile then a V tile per (block, head), ordered by the attention ISA it
+        # picked; on GPUs the FlashAttention layout interleaves K and V per token.
+        self.layout = KVLayout.from_kv_cache(first, block_size=self.block_size,
+                                             backend="cpu" if first.device.type == "cpu" else "flash")
         for name, t in self.layers[1:]:
             if t.shape != first.shape or t.dtype != first.dtype:
                 raise ValueError(f"LynxConnector: layer {name} has shape {tuple(t.shape)} {t.dtype}, expected "
@@ -93,10 +105,12 @@ class LynxConnectorWorker:
             "model": model_cfg.model,
             "layers": len(self.layers),
             "layer_names": ",".join(n for n, _ in self.layers),
-            "kv_heads": self.layout.num_kv_heads,
+            "kv_heads": self.layout.num_heads,
             "head_size": self.layout.head_size,
             "dtype": str(first.dtype),
-            "lynx_codec": self._codec("full").identity(),
+            "lynx_codec": json.dumps({**LYNX_DEFAULTS, **dict(self.config.codec_options)}, sort_keys=True,
+                                     default=str),
+            "layout": f"{self.layout.backend}/{self.layout.isa}/bs{self.layout.block_size}",
             "tp_rank": self.tp_rank,
         }
         tcfg = TransportConfig(
@@ -107,13 +121,13 @@ class LynxConnectorWorker:
             timeout_s=self.config.timeout_s,
             host=self.config.side_channel_host,
             port=self.config.side_channel_port + self.tp_rank if self.config.side_channel_port else 0,
+            pool_bytes=self.config.staging_mb << 20,
         )
-        pool_bytes = self.config.staging_mb << 20
         name = f"lynx-{self.engine_id}-tp{self.tp_rank}"
         if self.is_producer:
-            self.source = TransferSource(tcfg, compat=compat, pool_bytes=pool_bytes, name=name + "-src")
+            self.source = TransferSource(tcfg, compat, name=name + "-src")
         if self.is_consumer:
-            self.sink = TransferSink(tcfg, compat=compat, pool_bytes=pool_bytes, name=name + "-dst")
+            self.sink = TransferSink(tcfg, compat, name=name + "-dst")
         logger.info("LynxConnector worker ready: %d layers, layout %s, mode %s, role %s, side channel %s",
                     len(self.layers), self.layout, self.config.mode,
                     self.vllm_config.kv_transfer_config.kv_role,
@@ -137,7 +151,7 @@ class LynxConnectorWorker:
     def _plane_nbytes(self, mode: str, num_tokens: int) -> tuple[int, int]:
         """Bytes of one layer's anchor and residual planes."""
         assert self.layout is not None
-        return self._codec(mode).plane_nbytes(num_tokens, self.layout.num_kv_heads, self.layout.head_size,
+        return self._codec(mode).plane_nbytes(num_tokens, self.layout.num_heads, self.layout.head_size,
                                               self.layout.dtype)
 
     # ---- P: encode after the forward -------------------------------------------------------------------
@@ -167,9 +181,10 @@ class LynxConnectorWorker:
         try:
             for i, (name, kv) in enumerate(self.layers):
                 encode(codec, kv, spec.block_ids, self.layout, spec.num_tokens,
-                       staged.anchor[i * a:(i + 1) * a], staged.residual[i * r:(i + 1) * r] if r else None)
+                       staged.anchor[i * a:(i + 1) * a], staged.residual[i * r:(i + 1) * r] if r else None,
+                       layer_name=name)
         except NonFiniteKVError as exc:
-            logger.error("LynxConnector: request %s not sent: %s (layer %s)", spec.req_id, exc, name)
+            logger.error("LynxConnector: request %s not sent: %s", spec.req_id, exc)
             self.source.abort(spec.req_id)
             self.stats.record_failure("nonfinite")
             return
@@ -197,26 +212,28 @@ class LynxConnectorWorker:
                 self._finished_recving.add(spec.req_id)
             return
         port = spec.remote_port + self.tp_rank if self.tp_rank else spec.remote_port
-        if spec.num_tokens == 0:  # full local prefix hit: nothing to pull, but P must free its staging
-            self.sink.release_remote(spec.remote_host, port, spec.remote_req_id)
+        if spec.num_tokens == 0:  # full local prefix hit: nothing to pull; P frees its staging at the lease
+            logger.debug("request %s: prompt fully in D's prefix cache, nothing pulled", spec.req_id)
             return
         a, r = self._plane_nbytes(spec.mode, spec.num_tokens)
         if spec.mode == "anchor":
             r = 0  # decoding on the anchor alone: the residual is never pulled (P frees it with the rest)
         n_layers = len(self.layers)
         try:
-            staged = self.sink.alloc(spec.req_id, a * n_layers, r * n_layers)
+            staged = self.sink.pool.alloc_request(spec.req_id, a * n_layers, r * n_layers)
         except Exception as exc:
             logger.error("LynxConnector: no staging for request %s: %s", spec.req_id, exc)
-            self.sink.release_remote(spec.remote_host, port, spec.remote_req_id)
             self._failed_recving.add(spec.req_id)
             self._finished_recving.add(spec.req_id)
             self.stats.record_failure("stage")
             return
         rec = _Recv(spec=spec, staged=staged, t_start=time.perf_counter())
         self._recvs[spec.req_id] = rec
-        self.sink.pull(spec.req_id, spec.remote_host, port, spec.remote_req_id,
-                       staged.anchor, staged.residual if r else None)
+        try:
+            self.sink.pull(spec.req_id, spec.remote_host, port, spec.remote_req_id,
+                           staged.anchor, staged.residual if r else None)
+        except ValueError as exc:
+            self._finish_recv(rec, error=f"cannot pull: {exc}")
 
     def _write_blocks(self, rec: _Recv, full: bool) -> None:
         assert self.layout is not None
@@ -296,6 +313,7 @@ class LynxConnectorWorker:
             rec.reported = True
             self._finished_recving.add(req_id)
         self.sink.release(req_id)
+        self.sink.pool.free_request(req_id)
 
     def take_results(self) -> tuple[set[str], set[str]]:
         done, failed = self._finished_recving, self._failed_recving

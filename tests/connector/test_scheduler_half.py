@@ -7,7 +7,7 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from lynx_connector.config import LynxConfig
-from lynx_connector.metadata import LYNX_PARAMS_VERSION, LynxHandshakeMetadata, LynxWorkerMeta, RemotePrefill
+from lynx_connector.metadata import LynxHandshakeMetadata, LynxWorkerMeta, RemotePrefill
 from lynx_connector.scheduler import LynxConnectorScheduler
 
 BS = 32

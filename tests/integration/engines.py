@@ -58,7 +58,7 @@ def _engine_main(conn, engine_kwargs: dict[str, Any], env: dict[str, str]) -> No
                 c = out.outputs[0]
                 lps = None
                 if c.logprobs is not None:
-                    lps = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
+                    lps = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
                 outs.append({"token_ids": list(c.token_ids), "text": c.text, "logprobs": lps,
                              "finish_reason": c.finish_reason, "kv_transfer_params": out.kv_transfer_params,
                              "num_cached_tokens": out.num_cached_tokens})
