@@ -1,0 +1,50 @@
+"""Two-stream KV transport over NIXL: P stages each request as one contiguous anchor region and one residual
+region in a registered pool; D pulls them (anchor first, across all requests) with its own scheduler.
+
+    from lynx_connector.transport import TransportConfig, TransferSource, TransferSink
+    src = TransferSource(cfg, compat)                 # P: st = src.alloc(req, a, r); encode into st.anchor /
+                                                      #    st.residual; src.publish(req); src.poll() -> freed ids
+    sink = TransferSink(cfg, compat)                  # D: v = sink.pool.alloc_request(req, a, r)
+    sink.pull(req, host, port, remote_req, v.anchor, v.residual); sink.poll() -> [TransferEvent]
+
+Settings chosen on the 2-core CPU box (NIXL 1.5.1 / UCX 1.23, measured; see ``lynx bench transfer``):
+* NIXL progress thread OFF (``progress_thread=False``): with it on, each idle agent burned ~0.3 of a core
+  here (reference runs: 100%); off, an idle sink used ~0.00% and an idle source ~0.03% of a core. Transfers
+  still complete: D's service thread drives its agent (``transfer``/``check_xfer_state``), and P's service thread
+  pumps its agent every ``target_progress_s`` (5 ms) only while published requests are live — needed for
+  ``UCX_TLS=tcp`` (target-side progress), harmless with cma. Both threads block in ``zmq.Poller`` when idle.
+* Priority by chunking (1 MiB chunks, strict anchor-first queue), one agent, ``num_workers=1``: with cma,
+  ``transfer()`` is synchronous (the READ happens inside the call), so the posting thread itself is the
+  serialization point; a second UCX worker/agent would only help with a second posting thread. Measured: a new
+  1 MiB anchor behind a 128 MiB residual being read completes in ~1-4 ms with 1 MiB chunks vs ~26-30 ms
+  (i.e. after the residual) unchunked. The window (4 MiB) bounds bytes in flight when READs are asynchronous
+  (``UCX_TLS=tcp``).
+* Pacing: token bucket on D (``link_gbps``), starting each busy period with one chunk of credit and holding at
+  most ``burst_s`` (5 ms) of credit to absorb wake-up jitter; residuals are held (<= ``anchor_holdoff_s``) while
+  a pulled request's regions are still being queried, so concurrent requests' anchors all go first.
+"""
+
+from lynx_connector.transport.config import TransportConfig
+from lynx_connector.transport.events import ANCHOR, RESIDUAL, TransferEvent
+from lynx_connector.transport.nixl_wrapper import NixlUnavailableError, NixlWrapper, nixl_available
+from lynx_connector.transport.pool import StagedRequest, StagingFullError, StagingPool
+from lynx_connector.transport.protocol import ProtocolError, compat_hash
+from lynx_connector.transport.sink import TransferSink
+from lynx_connector.transport.source import TransferSource
+
+__all__ = [
+    "ANCHOR",
+    "RESIDUAL",
+    "NixlUnavailableError",
+    "NixlWrapper",
+    "ProtocolError",
+    "StagedRequest",
+    "StagingFullError",
+    "StagingPool",
+    "TransferEvent",
+    "TransferSink",
+    "TransferSource",
+    "TransportConfig",
+    "compat_hash",
+    "nixl_available",
+]

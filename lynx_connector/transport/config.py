@@ -38,6 +38,8 @@ class TransportConfig:
     progress_thread: NIXL's own progress thread (spins a core when idle: off by default).
     target_progress_s: without a progress thread, P pumps NIXL this often while requests are live (0 = never).
     retry_s: D re-queries a not-yet-published request after this long.
+    anchor_holdoff_s: residual chunks wait (at most this long after a pull) while a pulled request's
+        regions are still being queried, so anchors of concurrently pulled requests all go first (0 = off).
     burst_s: token-bucket capacity in seconds of the link rate (absorbs scheduler wake-up jitter).
     max_message_bytes: side-channel messages larger than this are rejected unread.
     """
@@ -56,6 +58,7 @@ class TransportConfig:
     progress_thread: bool = False
     target_progress_s: float = 0.005
     retry_s: float = 0.005
+    anchor_holdoff_s: float = 0.02
     burst_s: float = 0.005
     max_message_bytes: int = 1 << 20
 
@@ -70,6 +73,10 @@ class TransportConfig:
             )
         for name in ("lease_s", "timeout_s", "retry_s", "burst_s"):
             _positive_float(name, getattr(self, name))
+        for name in ("target_progress_s", "anchor_holdoff_s"):
+            val = getattr(self, name)
+            if not isinstance(val, (int, float)) or isinstance(val, bool) or not math.isfinite(val) or val < 0:
+                raise ValueError(f"TransportConfig.{name} must be a finite number >= 0, got {val!r}")
         tp = self.target_progress_s
         if not isinstance(tp, (int, float)) or isinstance(tp, bool) or not math.isfinite(tp) or tp < 0:
             raise ValueError(f"TransportConfig.target_progress_s must be >= 0, got {tp!r}")

@@ -16,7 +16,8 @@ RESIDUAL: Stream = "residual"
 class TransferEvent:
     """Terminal event of one stream of one pulled request (exactly one per pulled stream, unless aborted).
 
-    `seconds` is measured from `pull()` to completion (or failure); `nbytes` is the bytes landed.
+    `seconds` is measured from `pull()` to completion (or failure); `nbytes` is the bytes landed;
+    `data_seconds` from the stream's first chunk post to completion (None if nothing was posted).
     """
 
     req_id: str
@@ -25,3 +26,4 @@ class TransferEvent:
     error: str | None
     nbytes: int
     seconds: float
+    data_seconds: float | None = None

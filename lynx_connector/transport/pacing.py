@@ -21,6 +21,11 @@ class TokenBucket:
         self.tokens = min(float(initial), self.capacity)
         self._last = now
 
+    def idle_reset(self, initial: float, now: float) -> None:
+        """The link went idle: drop any credit above `initial` (an idle link does not store bandwidth)."""
+        self._refill(now)
+        self.tokens = min(self.tokens, float(initial))
+
     def _refill(self, now: float) -> None:
         if now > self._last:
             self.tokens = min(self.capacity, self.tokens + (now - self._last) * self.rate)

@@ -6,7 +6,7 @@
   ("stats",) -> ("ok", stats dict incl. process cpu_s)      ("freed",) -> ("ok", [req ids freed so far])
   ("stop",) -> ("ok", None) and exit
 The payload of a staged request is pseudo-random bytes from `seed` (`payload(n, seed)`), so the other side
-can check byte-exactness without shipping it.
+can check byte-exactness without shipping it; a negative seed fills a constant instead (benches, no crc).
 """
 
 from __future__ import annotations
@@ -53,10 +53,16 @@ def _main(conn: Connection, cfg: dict[str, Any], compat: dict[str, Any]) -> None
                 sums = {}
                 for req_id, a, r, seed in cmd[1]:
                     st = src.alloc(req_id, a, r)
-                    st.anchor.copy_(payload(a, seed))
-                    if st.residual is not None:
-                        st.residual.copy_(payload(r, seed + 1))
-                    sums[req_id] = (crc(st.anchor), crc(st.residual))
+                    if seed < 0:  # benches: a cheap constant fill, no checksum
+                        st.anchor.fill_(-seed & 0xFF)
+                        if st.residual is not None:
+                            st.residual.fill_((-seed + 1) & 0xFF)
+                        sums[req_id] = (0, 0)
+                    else:
+                        st.anchor.copy_(payload(a, seed))
+                        if st.residual is not None:
+                            st.residual.copy_(payload(r, seed + 1))
+                        sums[req_id] = (crc(st.anchor), crc(st.residual))
                     if cmd[2]:
                         src.publish(req_id)
                 conn.send(("ok", sums))

@@ -51,7 +51,8 @@ class StagingPool:
     def __init__(self, nbytes: int, device: str = "cpu") -> None:
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"pool size must be a positive int, got {nbytes!r}")
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        # zeros, not empty: pages are faulted in now, not by the first transfer into them
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.nbytes = nbytes
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # sorted (offset, size)

@@ -4,7 +4,9 @@ Not thread-safe by itself: the sink's service thread owns it and calls `step()`;
 the thread may sleep before calling again (None = idle, nothing to do until new work arrives).
 
 Ordering rule: a residual chunk is posted only when no queued anchor has unposted bytes, across all
-requests (strict anchor-first); within a queue, requests are FIFO. Chunking bounds how long a newly queued
+requests (strict anchor-first), and not before `hold_residual_until` (the sink sets it while a pulled
+request's regions are still being queried, for at most `anchor_holdoff_s`, so its anchor is not overtaken by
+residuals merely because P answered late); within a queue, requests are FIFO. Chunking bounds how long a newly queued
 anchor waits behind a residual already being moved: at most the bytes in flight (<= window_bytes), and with
 cma (synchronous transfers) at most one chunk.
 """
@@ -45,6 +47,7 @@ class StreamJob:
     done: int = 0
     inflight: int = 0
     finished: bool = False
+    t_first_post: float | None = None
 
 
 @dataclass
@@ -84,6 +87,8 @@ class TransferScheduler:
         self._queues: dict[str, deque[StreamJob]] = {ANCHOR: deque(), RESIDUAL: deque()}
         self._inflight: list[_Inflight] = []
         self.inflight_bytes = 0
+        self.hold_residual_until = 0.0  # set by the owner: anchors it knows are coming (regions not yet known)
+        self._emitted = False
         self.stats = SchedulerStats()
         rate = config.link_bytes_per_s
         self._bucket = (
@@ -101,6 +106,8 @@ class TransferScheduler:
     def submit(self, job: StreamJob) -> None:
         if job.nbytes <= 0:
             raise ValueError(f"stream job {job.req_id}/{job.stream} has no bytes")
+        if self._bucket is not None and self.idle:
+            self._bucket.idle_reset(self._cfg.chunk_bytes, self._clock())
         self._queues[job.stream].append(job)
 
     def pending_requests(self) -> set[str]:
@@ -151,11 +158,17 @@ class TransferScheduler:
     def step(self) -> float | None:
         """Reap completions, then post chunks; returns seconds until the next useful call (None = idle)."""
         now = self._clock()
+        self._emitted = False
         self._reap(now)
         wait: float | None = None
         for _ in range(self._max_posts):
+            if self._emitted:  # let the owner publish completions before posting more
+                return 0.0
             job = self._next_job()
             if job is None:
+                break
+            if job.stream == RESIDUAL and now < self.hold_residual_until:
+                wait = self.hold_residual_until - now
                 break
             n = min(self._cfg.chunk_bytes, job.nbytes - job.posted)
             if self.inflight_bytes and self.inflight_bytes + n > self._cfg.window_bytes:
@@ -185,6 +198,8 @@ class TransferScheduler:
     def _post(self, job: StreamJob, n: int, now: float) -> None:
         off = job.posted
         job.posted += n
+        if job.t_first_post is None:
+            job.t_first_post = now
         if self._record:
             self.stats.post_log.append((job.req_id, job.stream, off, n))
         self.stats.chunks_posted += 1
@@ -238,7 +253,9 @@ class TransferScheduler:
     def _emit(self, job: StreamJob, ok: bool, error: str | None, now: float) -> None:
         if not ok:
             logger.warning("transfer %s/%s failed: %s", job.req_id, job.stream, error)
-        self._on_event(TransferEvent(job.req_id, job.stream, ok, error, job.done, now - job.t0))
+        self._emitted = True
+        data_s = None if job.t_first_post is None else now - job.t_first_post
+        self._on_event(TransferEvent(job.req_id, job.stream, ok, error, job.done, now - job.t0, data_s))
 
     def _release(self, handle: Any) -> None:
         try:

@@ -188,6 +188,11 @@ class TransferSink:
         t_cpu = time.thread_time()
         while not self._stop:
             self._run_commands()
+            # anchors known to be coming (regions still being queried) go before any residual, briefly
+            self._sched.hold_residual_until = max(
+                (p.t0 + self.config.anchor_holdoff_s for p in self._pulls.values() if p.state != "transferring"),
+                default=0.0,
+            )
             wait = self._sched.step()
             self._process_sched_events()
             wait = self._check_deadlines(wait)

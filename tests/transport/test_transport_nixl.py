@@ -87,7 +87,7 @@ def test_malformed_and_incompatible_handshakes_rejected(source, sink: TransferSi
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.setsockopt(zmq.RCVTIMEO, 5000)
-    raw.connect("tcp://%s:%d" % addr)
+    raw.connect(f"tcp://{addr[0]}:{addr[1]}")
     try:
         raw.send(b"\x93\x01\x02\x03")
         assert proto.decode(raw.recv(), 1 << 20).code == "malformed"

@@ -140,3 +140,18 @@ def test_cancel_emits_nothing(fabric: FakeFabric) -> None:
     sched.step()
     sched.cancel("r1")
     assert sched.idle and not events and dst.live_handles == 0
+
+
+def test_residual_held_while_anchor_expected_and_idle_reset(fabric: FakeFabric) -> None:
+    sched, _, job, events, clock, _ = make(fabric, link_gbps=8 * 16 * KB / 1e9 * 1000)
+    sched.submit(job("r1", "residual", 0, 32 * KB))
+    sched.hold_residual_until = 0.005
+    assert sched.step() == pytest.approx(0.005) and not sched.stats.post_log
+    clock.t = 0.005
+    run_until_idle(sched, clock)
+    assert events[-1].ok and events[-1].data_seconds is not None
+    clock.t += 10.0  # a long idle gap must not bank 10 s of credit
+    sched.submit(job("r2", "anchor", 0, 64 * KB))
+    t0 = clock.t
+    run_until_idle(sched, clock)
+    assert clock.t - t0 == pytest.approx(3e-3)  # (64 - 16) KiB at 16 KiB/ms

@@ -128,7 +128,7 @@ def test_malformed_messages_rejected_listener_keeps_serving(pair) -> None:
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.setsockopt(zmq.RCVTIMEO, 3000)
-    raw.connect("tcp://%s:%d" % src.address)
+    raw.connect("tcp://{}:{}".format(*src.address))
     try:
         for junk in [b"\xc1", b"not msgpack at all", proto.encode(proto.Query(v=9, req_id="r")), b"x" * (3 << 19)]:
             raw.send(junk)
