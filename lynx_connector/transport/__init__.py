@@ -20,8 +20,9 @@ Settings chosen on the 2-core CPU box (NIXL 1.5.1 / UCX 1.23, measured; see ``ly
   (i.e. after the residual) unchunked. The window (4 MiB) bounds bytes in flight when READs are asynchronous
   (``UCX_TLS=tcp``).
 * Pacing: token bucket on D (``link_gbps``), starting each busy period with one chunk of credit and holding at
-  most ``burst_s`` (5 ms) of credit to absorb wake-up jitter; residuals are held (<= ``anchor_holdoff_s``) while
-  a pulled request's regions are still being queried, so concurrent requests' anchors all go first.
+  most ``burst_s`` (20 ms) of credit to absorb wake-up jitter (5 ms lost up to half the rate at 25 Gb/s on
+  the loaded box). Residuals are held (<= ``anchor_holdoff_s``, 20 ms) while a pulled request's regions are
+  still being queried, so the anchors of concurrently pulled requests all go first.
 """
 
 from lynx_connector.transport.config import TransportConfig
