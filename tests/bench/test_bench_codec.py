@@ -49,7 +49,7 @@ def test_report_table_shows_targets_and_verdicts() -> None:
         _row("int4", 4.5, 1e-2, 1e-2),
     ]
     result = {"rows": rows, "memcpy_gbps": 10.0, "model": "m", "tokens": 512, "layers": 30, "kv_heads": 3,
-              "head_size": 64, "cache_dtype": "float32", "block_size": 32,
+              "head_size": 64, "cache_dtype": "float32", "block_size": 32, "gather_gbps": 1.0,
               "checks": bench_codec.evaluate_targets(rows, 10.0)}  # fmt: skip
     text = bench_codec.format_report(result)
     lines = {line.split()[0]: line for line in text.splitlines() if line.split()}
