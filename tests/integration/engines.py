@@ -18,7 +18,7 @@ ENGINE_ENV = {
 
 
 def lynx_kv_config(mode: str = "full", **extra: Any) -> dict[str, Any]:
-    cfg = {"mode": mode, "staging_mb": 64, "timeout_s": 20, "lease_s": 60}
+    cfg = {"mode": mode, "staging_mb": 256, "timeout_s": 20, "lease_s": 60}
     cfg.update(extra)
     return {
         "kv_connector": "LynxConnector",
