@@ -111,7 +111,12 @@ def build_prefill_request(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     req["stream"] = False
     req.pop("stream_options", None)
     req.pop("min_tokens", None)
-    req["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    params = dict(PREFILL_KV_PARAMS)
+    client = body.get("kv_transfer_params")
+    if isinstance(client, dict) and isinstance(client.get("lynx_mode"), str):
+        # The one key a client may set: the transfer mode of this request (P encodes with it, D follows P).
+        params["lynx_mode"] = client["lynx_mode"]
+    req["kv_transfer_params"] = params
     return req
 
 

@@ -118,6 +118,14 @@ def test_prefill_request_shape() -> None:
     assert normalize_url("127.0.0.1:8100/") == "http://127.0.0.1:8100"
 
 
+def test_prefill_request_carries_only_the_clients_transfer_mode() -> None:
+    body = {"model": "m", "prompt": "hi", "kv_transfer_params": {
+        "lynx_mode": "int8", "remote_host": "evil.example", "do_remote_decode": False}}
+    params = build_prefill_request(body, chat=False)["kv_transfer_params"]
+    assert params["lynx_mode"] == "int8"
+    assert params["do_remote_decode"] is True and params["remote_host"] is None  # nothing else is taken
+
+
 def test_completions_non_stream_forwards_params_verbatim() -> None:
     p, d = Fake("prefill"), Fake("decode")
 
