@@ -1,0 +1,284 @@
+"""Markdown tables and PNG plots from the JSON that ``lynx bench e2e`` and ``lynx bench accuracy`` write.
+
+Everything here reads only the JSON, so results can be re-rendered anywhere::
+
+    python -m lynx_connector.bench.report benchmarks/results/e2e.json benchmarks/results/accuracy.json
+
+writes ``<name>.md`` and ``<name>_*.png`` beside each JSON (matplotlib, Agg backend).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from lynx_connector.bench.common import format_table
+from lynx_connector.logger import init_logger
+
+logger = init_logger(__name__)
+
+MODE_ORDER = ("bf16", "fp8", "int8", "int4", "int4_kivi", "anchor", "full", "speculative")
+MODE_LABEL = {"bf16": "bf16 (fp32 cache: 32 b/v)", "fp8": "fp8", "int8": "int8", "int4": "int4",
+              "int4_kivi": "int4 KIVI", "anchor": "lynx anchor", "full": "lynx full",
+              "speculative": "lynx speculative"}
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float | None, float | None]:
+    """Wilson score interval of a binomial proportion (95% by default); (None, None) for n == 0."""
+    if n <= 0:
+        return None, None
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _s(x: Any, nd: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def _md_table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    lines += ["| " + " | ".join(_s(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def environment_md(result: dict[str, Any]) -> str:
+    hw = result.get("hardware", {})
+    v = result.get("versions", {})
+    git = result.get("git", {})
+    return (f"Hardware: {hw.get('cpu')} ({hw.get('usable_cores')} usable cores of {hw.get('cpu_count')}, "
+            f"{hw.get('mem_total_gib')} GiB), accelerator: {hw.get('accelerator') or 'none'}; load average at the "
+            f"end {hw.get('loadavg')} (shared machine). Versions: vllm {v.get('vllm')}, torch {v.get('torch')}, "
+            f"nixl {v.get('nixl')}, lynx-connector {v.get('lynx-connector')}; git {str(git.get('commit'))[:10]}"
+            f"{' (dirty)' if git.get('dirty') else ''}; {result.get('timestamp')}; wall {result.get('wall_s', 0):.0f} s.\n")
+
+
+def _mode_key(mode: str) -> int:
+    return MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER)
+
+
+# ---- e2e ------------------------------------------------------------------------------------------------------
+def e2e_markdown(result: dict[str, Any]) -> str:
+    cfg = result.get("config", {})
+    out = [f"## lynx bench e2e{' (quick)' if result.get('quick') else ''}\n",
+           f"Model {result.get('model')} (fp32 cache, CPU), real 1P1D through the proxy, {cfg.get('max_tokens')} "
+           f"greedy tokens per request (EOS ignored). {result.get('bf16_note', '')}. Speculative mode: "
+           f"{'available' if result.get('speculative', {}).get('available') else 'NOT AVAILABLE'} "
+           f"({result.get('speculative', {}).get('note')}).\n",
+           environment_md(result), "\n### Link rates\n"]
+    dep_rows = []
+    for d in result.get("deployments", []):
+        pre = ", ".join(f"{n}: {s:.2f}" for n, s in sorted(d["prefill_s"].items(), key=lambda kv: int(kv[0])))
+        dep_rows.append([d["label"], d["link_gbps"] if d["link_gbps"] is not None else "unpaced",
+                         d.get("target_ratio"), d.get("bf16_transfer_over_prefill"), pre, d.get("loadavg")])
+    out.append(_md_table(["deployment", "link Gbit/s", "target bf16/prefill", "measured bf16/prefill",
+                          "prefill s (tokens: s)", "load avg"], dep_rows))
+    out.append("\n### Latency per mode (medians and p90 over requests; times in seconds, at the client)\n")
+    headers = ["link", "conc", "tokens", "mode", "n", "TTFT med", "TTFT p90", "TT32T med", "TT32T p90",
+               "TT64T med", "TT64T p90", "MB wire", "MB measured", "ideal TTFT", "TTFT/ideal", "accept",
+               "=full", "needle"]
+    rows = sorted(result.get("rows", []), key=lambda r: (_dep_index(result, r["rate_label"]), r["concurrency"],
+                                                          r["nominal_tokens"], _mode_key(r["mode"])))
+    table = []
+    for r in rows:
+        table.append([r["rate_label"], r["concurrency"], r["prompt_tokens"], MODE_LABEL.get(r["mode"], r["mode"]),
+                      f"{r['n']}{' (' + str(r['errors']) + ' err)' if r['errors'] else ''}",
+                      r["ttft_s_median"], r["ttft_s_p90"], r["tt32_s_median"], r["tt32_s_p90"], r["tt64_s_median"],
+                      r["tt64_s_p90"], r["wire_bytes"] / 1e6,
+                      None if r.get("wire_bytes_measured") is None else r["wire_bytes_measured"] / 1e6,
+                      r["ideal_ttft_s"], r["ttft_vs_ideal"],
+                      None if r.get("acceptance") is None else f"{r['acceptance']:.1%}",
+                      None if r.get("output_equal_full") is None else f"{r['output_equal_full']:.0%}",
+                      f"{r['needle_accuracy']:.0%}"])
+    out.append(_md_table(headers, table))
+    out.append("\nideal TTFT: " + result.get("ideal_model", "") + ". `=full`: share of requests whose text equals "
+               "the full mode's for the same prompt. `needle`: share of answers containing the needle number.\n")
+    checks = result.get("checks", [])
+    if checks:
+        out.append("\n### Targets (issue 6), concurrency 1\n")
+        out.append(_md_table(["regime", "metric", "value", "target", "verdict"],
+                             [[c["regime"], c["metric"], c["value"], f"{c['op']} {c['target']}",
+                               "n/a" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL")] for c in checks]))
+    return "\n".join(out)
+
+
+def _dep_index(result: dict[str, Any], label: str) -> int:
+    for i, d in enumerate(result.get("deployments", [])):
+        if d["label"] == label:
+            return i
+    return 99
+
+
+def plot_e2e(result: dict[str, Any], path: Path) -> Path | None:
+    """TTFT and TT64T vs link rate per mode, concurrency 1, one line per mode for the longest prompt length
+    (and concurrency 4 when measured)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result.get("rows", []) if r["link_gbps"] and r["ttft_s_median"] is not None]
+    if not rows:
+        return None
+    panels = []
+    conc1 = [r for r in rows if r["concurrency"] == 1]
+    if conc1:
+        n = max(r["nominal_tokens"] for r in conc1)
+        panels.append((f"concurrency 1, {n}-token prompts", [r for r in conc1 if r["nominal_tokens"] == n]))
+    multi = [r for r in rows if r["concurrency"] > 1]
+    if multi:
+        c = max(r["concurrency"] for r in multi)
+        panels.append((f"concurrency {c}", [r for r in multi if r["concurrency"] == c]))
+    fig, axes = plt.subplots(2, len(panels), figsize=(6.5 * len(panels), 8), squeeze=False)
+    for col, (title, prs) in enumerate(panels):
+        for row_i, key in enumerate(("ttft_s_median", "tt64_s_median")):
+            ax = axes[row_i][col]
+            for mode in sorted({r["mode"] for r in prs}, key=_mode_key):
+                pts = sorted((r["link_gbps"], r[key]) for r in prs if r["mode"] == mode and r[key] is not None)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=MODE_LABEL.get(mode, mode))
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("link rate (Gbit/s, paced)")
+            ax.set_ylabel(("TTFT" if row_i == 0 else "time to 64th token") + " (s, median)")
+            ax.set_title(title)
+            ax.grid(True, which="both", alpha=0.3)
+            if row_i == 0 and col == 0:
+                ax.legend(fontsize=8)
+    fig.suptitle(f"lynx bench e2e: {result.get('model')} on {result.get('hardware', {}).get('cpu')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+# ---- accuracy -------------------------------------------------------------------------------------------------
+def accuracy_markdown(result: dict[str, Any]) -> str:
+    out = [f"## lynx bench accuracy{' (quick)' if result.get('quick') else ''}\n",
+           f"Model {result.get('model')} (fp32 cache, CPU), real P and D engines with LynxConnector, KV over "
+           f"NIXL. {result.get('bf16_note', '')}. {result.get('method', '')}\n",
+           environment_md(result), ""]
+    headers = ["mode", "bits/value", "needle", "needle 95% CI", "ppl", "dNLL vs bf16 (95% CI)",
+               "greedy = bf16", "= bf16 95% CI", "agree tokens"]
+    table = []
+    for m in sorted(result.get("modes", {}), key=_mode_key):
+        r = result["modes"][m]
+        if not r.get("available", True):
+            table.append([MODE_LABEL.get(m, m), "-", f"not available: {r.get('note')}"] + ["-"] * 6)
+            continue
+        nd = r["needle"]
+        ag = r["greedy"]
+        ppl = r.get("perplexity") or {}
+        dnll = ppl.get("delta_nll_vs_bf16")
+        ci = ppl.get("delta_nll_ci95")
+        table.append([MODE_LABEL.get(m, m), r["bits_per_value"],
+                      f"{nd['correct']}/{nd['n']} ({nd['accuracy']:.0%})", _ci(nd.get("ci95")),
+                      ppl.get("ppl"), "-" if dnll is None else f"{dnll:+.4f} ({_ci(ci, 4, pct=False)})",
+                      f"{ag['equal']}/{ag['n']}", _ci(ag.get("ci95")),
+                      None if ag.get("token_agreement") is None else f"{ag['token_agreement']:.1%}"])
+    out.append(_md_table(headers, table))
+    out.append("\nneedle: the needle number appears in the answer; ppl: perplexity of the continuation windows "
+               "scored on D over the transferred context KV; dNLL: mean per-token NLL difference vs bf16 over "
+               "the same tokens (paired); greedy = bf16: generations identical to the bf16 mode's; agree "
+               "tokens: mean share of the bf16 generation matched before the first divergence.\n")
+    return "\n".join(out)
+
+
+def _ci(ci: Any, nd: int = 0, pct: bool = True) -> str:
+    if not ci or ci[0] is None:
+        return "-"
+    return f"[{ci[0]:.{nd}%}, {ci[1]:.{nd}%}]" if pct else f"[{ci[0]:+.{nd}f}, {ci[1]:+.{nd}f}]"
+
+
+def plot_accuracy(result: dict[str, Any], path: Path) -> Path | None:
+    """Needle accuracy (Wilson 95% CI) and perplexity against bits per value on the wire, one point per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in sorted(result.get("modes", {}), key=_mode_key) if result["modes"][m].get("available", True)]
+    if not modes:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for m in modes:
+        r = result["modes"][m]
+        x = r["bits_per_value"]
+        nd = r["needle"]
+        lo, hi = nd.get("ci95") or (nd["accuracy"], nd["accuracy"])
+        ax1.errorbar([x], [nd["accuracy"]], yerr=[[nd["accuracy"] - lo], [hi - nd["accuracy"]]], fmt="o",
+                     capsize=4, label=MODE_LABEL.get(m, m))
+        ax1.annotate(m, (x, nd["accuracy"]), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        ppl = (r.get("perplexity") or {}).get("ppl")
+        if ppl is not None:
+            ax2.plot([x], [ppl], "o")
+            ax2.annotate(m, (x, ppl), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax1.set_xlabel("bits per KV value on the wire")
+    ax1.set_ylabel("needle-in-a-haystack accuracy (95% Wilson CI)")
+    ax1.set_ylim(-0.05, 1.05)
+    ax1.grid(True, alpha=0.3)
+    ax1.legend(fontsize=7, loc="lower right")
+    ax2.set_xlabel("bits per KV value on the wire")
+    ax2.set_ylabel("perplexity of continuations (D, transferred context)")
+    ax2.grid(True, alpha=0.3)
+    fig.suptitle(f"lynx bench accuracy: {result.get('model')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+# ---- outputs --------------------------------------------------------------------------------------------------
+def write_outputs(json_path: str | Path, result: dict[str, Any] | None = None) -> list[Path]:
+    """``<stem>.md`` and ``<stem>_*.png`` beside ``json_path``; returns the files written."""
+    json_path = Path(json_path)
+    if result is None:
+        result = json.loads(json_path.read_text())
+    stem = json_path.with_suffix("")
+    written: list[Path] = []
+    kind = result.get("bench")
+    if kind == "e2e":
+        md, plots = e2e_markdown(result), [(plot_e2e, "_ttft_vs_link.png")]
+    elif kind == "accuracy":
+        md, plots = accuracy_markdown(result), [(plot_accuracy, "_vs_bytes.png")]
+    else:
+        raise ValueError(f"{json_path}: not an e2e or accuracy result (bench={kind!r})")
+    md_path = stem.with_suffix(".md")
+    md_path.write_text(md)
+    written.append(md_path)
+    for fn, suffix in plots:
+        png = Path(f"{stem}{suffix}")
+        try:
+            if fn(result, png) is not None:
+                written.append(png)
+        except Exception:  # a plot must never lose the measured JSON and table
+            logger.exception("plot %s failed", png)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lynx_connector.bench.report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", nargs="+", help="result JSON files of lynx bench e2e / accuracy")
+    args = p.parse_args(argv)
+    for path in args.json:
+        for out in write_outputs(path):
+            sys.stdout.write(f"{out}\n")
+    return 0
+
+
+__all__ = ["wilson", "e2e_markdown", "accuracy_markdown", "plot_e2e", "plot_accuracy", "write_outputs",
+           "format_table"]
+
+if __name__ == "__main__":
+    sys.exit(main())

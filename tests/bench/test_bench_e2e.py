@@ -1,0 +1,136 @@
+"""``lynx bench e2e``: the pieces on synthetic numbers (fast) and the JSON shape of a real ``--quick`` run (slow).
+
+Speeds are never asserted: CI boxes are shared. The quick run checks that every mode produced a row with the
+documented keys, that the files the README links are written, and that the ideal-time model is consistent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lynx_connector.bench import e2e, report
+
+ROOT = Path(__file__).resolve().parents[2]
+SHAPE = e2e.ModelShape(layers=30, kv_heads=3, head_dim=64)
+ROW_KEYS = {"mode", "rate_label", "link_gbps", "concurrency", "prompt_tokens", "n", "errors", "prefill_s",
+            "ttft_s_median", "ttft_s_p90", "tt32_s_median", "tt32_s_p90", "tt64_s_median", "tt64_s_p90",
+            "wire_bytes", "wire_bytes_measured", "bits_per_value", "ideal_ttft_s", "ttft_vs_ideal", "speculated",
+            "accepted", "acceptance", "needle_accuracy", "output_equal_full"}
+
+
+def test_quantile_interpolates_and_ignores_none() -> None:
+    assert e2e.quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert e2e.quantile([1.0, 2.0], 0.9) == pytest.approx(1.9)
+    assert e2e.quantile([], 0.5) is None
+
+
+def test_wire_bytes_order_and_bits() -> None:
+    n = 1024
+    bf16 = e2e.wire_bytes("bf16", n, SHAPE)[1]
+    assert bf16 == 2 * 30 * 3 * 64 * 4 * n  # fp32 cache: 32 bits/value
+    int8, int4 = e2e.wire_bytes("int8", n, SHAPE)[1], e2e.wire_bytes("int4", n, SHAPE)[1]
+    anchor, full, spec = (e2e.wire_bytes(m, n, SHAPE) for m in ("anchor", "full", "speculative"))
+    assert int4 < anchor[1] < int8 < full[1] < bf16
+    assert full == spec  # a speculative request releases its first token after the residual verified it
+    assert anchor[0] == anchor[1]  # anchor mode never pulls the residual
+
+
+def test_ideal_ttfts_pipeline() -> None:
+    # one request: prefill + bytes / link
+    assert e2e.ideal_ttfts(1.0, [125_000_000], 1.0) == [pytest.approx(2.0)]
+    # two requests sharing the link: the second waits for the first transfer
+    assert e2e.ideal_ttfts(1.0, [125_000_000, 125_000_000], 1.0) == [pytest.approx(2.0), pytest.approx(3.0)]
+    # compute-bound: the second waits for its own prefill
+    assert e2e.ideal_ttfts(1.0, [1, 1], 1.0)[1] == pytest.approx(2.0, abs=1e-6)
+    assert e2e.ideal_ttfts(1.0, [10**9], None) == [1.0]
+
+
+def test_choose_rates_hit_the_ratios() -> None:
+    rates = e2e.choose_rates(2.0, 1024, SHAPE, [0.5, 2.0, 10.0])
+    bf16 = e2e.wire_bytes("bf16", 1024, SHAPE)[1]
+    for g, ratio in zip(rates, [0.5, 2.0, 10.0], strict=True):
+        assert bf16 * 8 / (g * 1e9) / 2.0 == pytest.approx(ratio, rel=1e-3)
+
+
+def _req(mode: str, ttft: float, seed: int = 1, sha: str = "a") -> dict:
+    return {"mode": mode, "prompt_tokens": 1100, "seed": seed, "depth": 0.5, "ttft_s": ttft, "tt32_s": ttft + 1,
+            "tt64_s": ttft + 2, "tokens": 64, "total_s": ttft + 2, "error": None, "needle_found": True,
+            "text_sha1": sha, "rate_label": "r", "concurrency": 1, "nominal_tokens": 1024, "link_gbps": 0.1}
+
+
+def test_summarize_cell_and_equality() -> None:
+    delta = {"anchor_bytes": 3e6, "residual_bytes": 2e6, "lynx_drafted": 40.0, "lynx_accepted": 36.0}
+    reqs = [_req("speculative", 1.0, 1, "x"), _req("speculative", 2.0, 2, "y")]
+    row = e2e.summarize_cell(reqs, "speculative", 1024, 1, 0.1, "r", 0.5, SHAPE, delta)
+    assert ROW_KEYS - {"output_equal_full"} <= set(row)
+    assert row["ttft_s_median"] == 1.5 and row["acceptance"] == pytest.approx(0.9)
+    assert row["wire_bytes_measured"] == 2_500_000 and row["ttft_vs_ideal"] > 0
+    full = [_req("full", 1.0, 1, "x"), _req("full", 2.0, 2, "z")]
+    everything = reqs + full
+    e2e.mark_output_equality(everything)
+    assert [r["output_equal_full"] for r in reqs] == [True, False]
+    rows = [row]
+    e2e.equality_by_row(rows, everything)
+    assert rows[0]["output_equal_full"] == 0.5
+
+
+def test_targets_and_report_render(tmp_path: Path) -> None:
+    rows = []
+    for label, ratio, gbps in (("slow", 10.0, 0.05), ("fast", 0.5, 1.0)):
+        for mode, ttft in (("int8", 3.0), ("int4", 2.0), ("full", 3.0), ("speculative", 2.0)):
+            r = e2e.summarize_cell([_req(mode, ttft)], mode, 1024, 1, gbps, label, 0.5, SHAPE, {})
+            r["target_ratio"] = ratio
+            r["output_equal_full"] = None
+            rows.append(r)
+    checks = e2e.evaluate_targets(rows, [0.5, 2.0, 10.0])
+    by = {(c["regime"], c["metric"]): c["pass"] for c in checks}
+    assert by[("slow", "int8 TTFT / speculative TTFT")] is True  # 3.0 / 2.0 = 1.5
+    assert by[("slow", "speculative TTFT / int4 TTFT")] is True  # 1.0
+    assert by[("fast", "full TTFT / int8 TTFT")] is True
+    result = {"bench": "e2e", "rows": rows, "checks": checks, "config": {"max_tokens": 64}, "model": "m",
+              "deployments": [{"label": "slow", "link_gbps": 0.05, "prefill_s": {"1024": 0.5}, "loadavg": [1, 1, 1]}],
+              "speculative": {"available": True, "note": "n"}, "hardware": {"cpu": "cpu"}, "versions": {},
+              "git": {}, "wall_s": 1.0}
+    md = report.e2e_markdown(result)
+    assert "lynx speculative" in md and "PASS" in md
+    out = tmp_path / "e2e.json"
+    out.write_text(json.dumps(result))
+    written = report.write_outputs(out)
+    assert (tmp_path / "e2e.md").exists() and (tmp_path / "e2e_ttft_vs_link.png").stat().st_size > 1000
+    assert len(written) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
+    from lynx_connector.models import is_prepared
+
+    if not is_prepared():
+        pytest.skip("the real model is not prepared")
+    out = tmp_path / "e2e.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "lynx_connector.bench.e2e", "--quick", "--out", str(out),
+                           "--log-dir", str(tmp_path / "logs")],
+                          env=env, capture_output=True, text=True, timeout=850, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["bench"] == "e2e" and result["quick"] is True
+    assert {"hardware", "versions", "git", "config", "deployments", "speculative", "wall_s"} <= set(result)
+    assert result["hardware"]["loadavg"] is not None
+    modes = {r["mode"] for r in result["rows"]}
+    expected = set(e2e.MODES) - (set() if result["speculative"]["available"] else {"speculative"})
+    assert modes == expected
+    assert {r["concurrency"] for r in result["rows"]} == {1, 2}
+    for r in result["rows"]:
+        assert ROW_KEYS <= set(r), sorted(ROW_KEYS - set(r))
+        assert r["errors"] == 0, r
+        assert r["ttft_s_median"] > 0 and r["tt64_s_median"] >= r["tt32_s_median"] >= r["ttft_s_median"]
+        assert r["ideal_ttft_s"] > 0 and r["wire_bytes"] > 0
+    assert (tmp_path / "e2e.md").exists() and (tmp_path / "e2e_ttft_vs_link.png").exists()
+    assert "[1/" in proc.stdout  # progress lines while it runs
