@@ -9,7 +9,6 @@ its pool no region; P has no staged request and no region.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Iterator
 
 import pytest
