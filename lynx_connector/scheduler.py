@@ -9,6 +9,14 @@ D (decode, ``do_remote_prefill``): the prompt is loaded asynchronously; the work
 finished receiving when the planes the mode needs are merged into D's blocks (or failed, then vLLM's
 ``kv_load_failure_policy`` applies). A request aborted while its KV is in flight keeps its blocks until
 the worker confirms the pull is cancelled, so nothing writes into blocks that were given to another request.
+
+Speculative mode (D): the request is reported ready when its anchor is merged and the residual keeps
+streaming into the same blocks; ``residual_merged`` / ``residual_failed`` come back through the worker
+metadata and are consumed by :class:`lynx_connector.spec.scheduler.LynxSpecScheduler`, which registers itself
+here (``speculation_enabled``). Without that scheduler a speculative request is served as ``full`` (decoding
+on an unverified anchor would return lossy tokens). Until its residual is merged the request's blocks may
+still be written: an abort keeps them until the worker confirms (as above), a preemption cancels the pull in
+the same step the blocks are freed (the worker drops it before it could write again).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from lynx_connector.metadata import (
     RemotePrefill,
     SaveSpec,
 )
+from lynx_connector.spec.messages import SpecConnectorMetadata, SpecWorkerMeta, parse_test_hooks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,6 +67,14 @@ class LynxConnectorScheduler:
         self._recv_aborted: list[str] = []
         # Residual-merged signals from the workers (used by the speculative scheduler).
         self.residual_merged: set[str] = set()
+        # Speculative mode: set by LynxSpecScheduler; requests whose residual is still to be merged; residuals
+        # that failed after the anchor; pulls to cancel (preempted); per-request test hooks to send.
+        self.speculation_enabled = False
+        self.spec_pending: set[str] = set()
+        self.residual_failed: set[str] = set()
+        self._recv_cancelled: list[str] = []
+        self._test_hooks: dict[str, dict[str, Any]] = {}
+        self._warned_no_spec = False
 
     # ---- start-up -------------------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
@@ -122,6 +139,7 @@ class LynxConnectorScheduler:
         local_hit = self._local_hits.pop(request.request_id, 0)
         block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens > 0 else []
         num_tokens = local_hit + num_external_tokens if num_external_tokens > 0 else 0
+        mode = self._decode_mode(request, remote.mode)
         spec = RecvSpec(
             req_id=request.request_id,
             block_ids=block_ids[: -(-num_tokens // self.block_size)] if num_tokens else [],
@@ -131,20 +149,68 @@ class LynxConnectorScheduler:
             remote_port=remote.ports[0],
             remote_req_id=remote.request_id,
             remote_engine_id=remote.engine_id,
-            mode=remote.mode,
+            mode=mode,
         )
         self._recv_pending.append(spec)
         if num_tokens:
             self._recv_inflight.add(request.request_id)
+            if mode == "speculative":
+                self.spec_pending.add(request.request_id)
+            hooks = parse_test_hooks(request.request_id, params)
+            if hooks:
+                self._test_hooks[request.request_id] = hooks
+
+    def _decode_mode(self, request: Request, mode: str) -> str:
+        """D's mode for a pull: speculation needs the Lynx scheduler, otherwise the request is served as full.
+        Structured-output requests are served as full too (held tokens would bypass the grammar)."""
+        if mode != "speculative":
+            return mode
+        req_id = request.request_id
+        if request.use_structured_output:
+            logger.info("Request %s uses structured output: served as 'full' instead of 'speculative'", req_id)
+            return "full"
+        if self.speculation_enabled:
+            return mode
+        if not self._warned_no_spec:
+            self._warned_no_spec = True
+            logger.warning("Request %s asks for lynx_mode speculative but this decode instance runs without the "
+                           "Lynx speculative scheduler (--scheduler-cls %s with a custom_class speculative "
+                           "config; the lynx:speculative preset sets both): serving it and the next ones as "
+                           "'full'", req_id, "lynx_connector.spec.scheduler.LynxSpecScheduler")
+        return "full"
+
+    # ---- D: speculative mode ----------------------------------------------------------------------------
+    def take_residual_merged(self) -> set[str]:
+        out, self.residual_merged = self.residual_merged, set()
+        return out
+
+    def take_residual_failed(self) -> set[str]:
+        out, self.residual_failed = self.residual_failed, set()
+        return out
+
+    def cancel_residual(self, req_id: str) -> bool:
+        """A speculating request is preempted (its blocks are freed in this step): cancel its pull silently.
+        True when a pull was still pending."""
+        self.residual_merged.discard(req_id)
+        self.residual_failed.discard(req_id)
+        if req_id not in self.spec_pending:
+            return False
+        self.spec_pending.discard(req_id)
+        self._recv_inflight.discard(req_id)
+        self._recv_cancelled.append(req_id)
+        return True
 
     # ---- per step -------------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LynxConnectorMetadata:
-        meta = LynxConnectorMetadata(
+        meta = SpecConnectorMetadata(
             reqs_to_recv=self._recv_pending,
             save_aborted=self._save_aborted,
             recv_aborted=self._recv_aborted,
+            recv_cancelled=self._recv_cancelled,
+            test_hooks=self._test_hooks,
         )
         self._recv_pending, self._save_aborted, self._recv_aborted = [], [], []
+        self._recv_cancelled, self._test_hooks = [], {}
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self._save_tracked.get(req_id)
             if req is None or req_id in self._saved:
@@ -165,7 +231,15 @@ class LynxConnectorScheduler:
             self._recv_inflight.discard(req_id)
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, LynxWorkerMeta):
-            self.residual_merged |= meta.residual_merged
+            merged = meta.residual_merged & self.spec_pending
+            self.residual_merged |= merged
+            self.spec_pending -= merged
+        if isinstance(meta, SpecWorkerMeta):
+            failed = meta.residual_failed & self.spec_pending
+            self.residual_failed |= failed
+            self.spec_pending -= failed
+        for req_id in connector_output.failed_recving or ():
+            self.spec_pending.discard(req_id)  # failed before the anchor: vLLM's own failure path applies
 
     # ---- end of a request ---------------------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -173,10 +247,14 @@ class LynxConnectorScheduler:
 
         req_id = request.request_id
         self._local_hits.pop(req_id, None)
-        if req_id in self._recv_inflight:
-            # D: aborted while its KV is in flight. Keep the blocks until the worker has cancelled the pull
-            # (it then reports the request in finished_recving and vLLM frees them).
+        self.residual_merged.discard(req_id)
+        self.residual_failed.discard(req_id)
+        if req_id in self._recv_inflight or req_id in self.spec_pending:
+            # D: aborted while its KV is in flight (for a speculative request: until its residual is merged).
+            # Keep the blocks until the worker has cancelled the pull (it then reports the request in
+            # finished_recving and vLLM frees them).
             self._recv_inflight.discard(req_id)
+            self.spec_pending.discard(req_id)
             self._recv_aborted.append(req_id)
             return True, None
         if self._save_tracked.pop(req_id, None) is None:

@@ -7,8 +7,12 @@ publish them; D pulls them. P's staging is freed when D says it is done, on abor
 D: pull the anchor stream (high priority) and the residual stream (low priority) into D's staging, then write
 into the request's blocks: mode ``anchor`` (and the single-stream baselines) writes when the anchor lands;
 ``full`` merges anchor+residual when both have landed; ``speculative`` writes the anchor when it lands,
-reports the request ready, and merges the residual in place later (signalled through worker metadata).
-Every path ends in ``_finish_recv``: staging freed on both sides, exactly once, whatever happened.
+reports the request ready, and merges the residual in place later (signalled through worker metadata:
+``residual_merged``, or ``residual_failed`` when the residual cannot arrive any more; a residual that fails in
+the very step its anchor is reported turns into an ordinary ``failed_recving``).
+Every path ends in ``_finish_recv``: staging freed on both sides, exactly once, whatever happened. An aborted
+request is reported in ``finished_recving`` (again, for a speculative one) so that vLLM frees its blocks only
+now; a cancelled one (preempted while speculating: its blocks are already freed) is dropped silently.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from lynx_connector.metadata import (
     RecvSpec,
     SaveSpec,
 )
+from lynx_connector.spec.messages import SpecConnectorMetadata, SpecWorkerMeta
 from lynx_connector.stats import LynxStats
 from lynx_connector.transport import TransferSink, TransferSource, TransportConfig
 
@@ -56,6 +61,8 @@ class _Recv:
     residual_landed: bool = False
     reported: bool = False  # finished_recving already sent to the scheduler
     errors: list[str] = field(default_factory=list)
+    hooks: dict[str, Any] = field(default_factory=dict)  # test-only (spec/messages.py)
+    anchor_step: int = -1  # worker step in which the anchor was written (speculative mode)
 
 
 class LynxConnectorWorker:
@@ -79,6 +86,8 @@ class LynxConnectorWorker:
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._merged: set[str] = set()
+        self._residual_failed: set[str] = set()
+        self._step = 0  # poll() calls, one per engine step
 
     # ---- start-up -------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -199,11 +208,18 @@ class LynxConnectorWorker:
         for req_id in meta.recv_aborted:
             rec = self._recvs.get(req_id)
             if rec is not None:
-                self._finish_recv(rec, error="aborted by the client")
+                self._finish_recv(rec, error="aborted by the client", outcome="aborted")
+        hooks: dict[str, dict[str, Any]] = {}
+        if isinstance(meta, SpecConnectorMetadata):
+            for req_id in meta.recv_cancelled:
+                rec = self._recvs.get(req_id)
+                if rec is not None:
+                    self._finish_recv(rec, error="preempted while speculating", outcome="cancelled")
+            hooks = meta.test_hooks
         for spec in meta.reqs_to_recv:
-            self._start_recv(spec)
+            self._start_recv(spec, hooks.get(spec.req_id, {}))
 
-    def _start_recv(self, spec: RecvSpec) -> None:
+    def _start_recv(self, spec: RecvSpec, hooks: dict[str, Any]) -> None:
         if self.sink is None:
             logger.error("LynxConnector: request %s needs a remote prefill but this worker is not a consumer",
                          spec.req_id)
@@ -227,7 +243,7 @@ class LynxConnectorWorker:
             self._finished_recving.add(spec.req_id)
             self.stats.record_failure("stage")
             return
-        rec = _Recv(spec=spec, staged=staged, t_start=time.perf_counter())
+        rec = _Recv(spec=spec, staged=staged, t_start=time.perf_counter(), hooks=dict(hooks))
         self._recvs[spec.req_id] = rec
         try:
             self.sink.pull(spec.req_id, spec.remote_host, port, spec.remote_req_id,
@@ -241,7 +257,7 @@ class LynxConnectorWorker:
         codec = self._codec(spec.mode)
         a, r = self._plane_nbytes(spec.mode, spec.num_tokens)
         anchor, residual = rec.staged.anchor, rec.staged.residual
-        if full and self.config.fault_injection == "corrupt_residual":
+        if full and (self.config.fault_injection == "corrupt_residual" or rec.hooks.get("corrupt_residual")):
             residual.bitwise_xor_(0x5A)
         for i, (_, kv) in enumerate(self.layers):
             pa = anchor[i * a:(i + 1) * a]
@@ -254,10 +270,12 @@ class LynxConnectorWorker:
 
     def poll(self) -> None:
         """Apply landed streams to the KV cache; called once per step (also on steps with no forward)."""
+        self._step += 1
         if self.source is not None:
             self.source.poll()
         if self.sink is None:
             return
+        self._merge_delayed()
         for ev in self.sink.poll():
             rec = self._recvs.get(ev.req_id)
             if rec is None:
@@ -276,7 +294,22 @@ class LynxConnectorWorker:
             else:
                 rec.residual_landed = True
                 self.stats.record_stream("residual", ev.nbytes, now)
+                if rec.hooks.get("fail_residual"):
+                    self._finish_recv(rec, error="residual stream failed (test hook fail_residual)")
+                    continue
             if rec.anchor_landed and rec.residual_landed and mode in ("full", "speculative"):
+                if mode == "speculative" and not self._residual_due(rec):
+                    continue  # test hook: merged by _merge_delayed in a later step
+                self._apply(rec, full=True)
+
+    def _residual_due(self, rec: _Recv) -> bool:
+        delay = rec.hooks.get("delay_residual_steps")
+        return delay is None or (rec.anchor_step >= 0 and self._step - rec.anchor_step >= delay)
+
+    def _merge_delayed(self) -> None:
+        """Test hook ``delay_residual_steps``: merge the residuals whose delay has elapsed."""
+        for rec in [r for r in self._recvs.values() if r.hooks.get("delay_residual_steps") is not None]:
+            if rec.anchor_landed and rec.residual_landed and self._residual_due(rec):
                 self._apply(rec, full=True)
 
     def _apply(self, rec: _Recv, full: bool) -> None:
@@ -289,6 +322,8 @@ class LynxConnectorWorker:
         mode = rec.spec.mode
         if full and mode == "speculative":
             self._merged.add(rec.spec.req_id)
+        if not full:
+            rec.anchor_step = self._step
         done = full or mode not in ("full", "speculative")
         if not rec.reported:
             rec.reported = True
@@ -296,17 +331,32 @@ class LynxConnectorWorker:
         if done:
             self._finish_recv(rec, error=None)
 
-    def _finish_recv(self, rec: _Recv, error: str | None) -> None:
-        """Single exit for a pull: frees D's staging, tells P to free its own, reports once."""
+    def _finish_recv(self, rec: _Recv, error: str | None, outcome: str = "failed") -> None:
+        """Single exit for a pull: frees D's staging, tells P to free its own, reports once.
+
+        ``outcome`` matters only with an error: "failed" (the failure policy applies), "aborted" (the request
+        is finished: report it so vLLM frees its blocks now) or "cancelled" (preempted: no report at all)."""
         assert self.sink is not None
         req_id = rec.spec.req_id
         self._recvs.pop(req_id, None)
         if error is not None:
-            logger.error("LynxConnector: KV load for request %s failed: %s", req_id, error)
+            if outcome == "failed":
+                logger.error("LynxConnector: KV load for request %s failed: %s", req_id, error)
+                self.stats.record_failure("load")
+            else:
+                logger.info("LynxConnector: KV load for request %s stopped: %s", req_id, error)
             self.sink.abort(req_id)
-            self.stats.record_failure("load")
-            if not rec.reported:
+            if outcome == "aborted":
+                self._finished_recving.add(req_id)
+            elif outcome == "failed" and not rec.reported:
                 self._failed_recving.add(req_id)
+            elif outcome == "failed" and req_id in self._finished_recving:
+                # The anchor was reported in this same step (not yet seen by the scheduler): a plain load
+                # failure, vLLM's kv_load_failure_policy applies.
+                self._failed_recving.add(req_id)
+            elif outcome == "failed" and rec.spec.mode == "speculative":
+                self._residual_failed.add(req_id)  # running on its anchor: the Lynx scheduler applies the policy
+            rec.reported = True
         else:
             self.stats.record_request(time.perf_counter() - rec.t_start)
         if not rec.reported:
@@ -321,10 +371,11 @@ class LynxConnectorWorker:
         return done, failed
 
     def take_worker_meta(self) -> LynxWorkerMeta | None:
-        if not self._merged:
+        if not self._merged and not self._residual_failed:
             return None
-        merged, self._merged = self._merged, set()
-        return LynxWorkerMeta(residual_merged=merged)
+        merged, failed = self._merged, self._residual_failed
+        self._merged, self._residual_failed = set(), set()
+        return SpecWorkerMeta(residual_merged=merged, residual_failed=failed)
 
     def shutdown(self) -> None:
         for rec in list(self._recvs.values()):

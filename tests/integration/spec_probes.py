@@ -1,0 +1,82 @@
+"""Functions run inside a ``SpecEngine`` child next to the engine (single process: the scheduler and the
+connector's worker half are reachable from ``llm``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _core(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core
+
+
+def generate(llm: Any, prompts: list[list[int]], sp_kwargs: dict[str, Any],
+             kv_params: list[dict | None] | None) -> list[dict[str, Any]]:
+    from vllm import SamplingParams
+
+    sps = []
+    for i in range(len(prompts)):
+        kw = dict(sp_kwargs)
+        if kv_params is not None and kv_params[i] is not None:
+            kw["extra_args"] = {"kv_transfer_params": kv_params[i]}
+        sps.append(SamplingParams(**kw))
+    outs = []
+    for out in llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False):
+        c = out.outputs[0]
+        lps = None
+        if c.logprobs is not None:
+            lps = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+        outs.append({"token_ids": list(c.token_ids), "text": c.text, "logprobs": lps,
+                     "finish_reason": c.finish_reason, "kv_transfer_params": out.kv_transfer_params})
+    return outs
+
+
+def state(llm: Any) -> dict[str, Any]:
+    """Bookkeeping that must be empty when nothing runs: scheduler requests, spec states, pulls, staging."""
+    core = _core(llm)
+    sched = core.scheduler
+    half = sched.connector.connector_scheduler
+    worker = core.model_executor.driver_worker.worker.model_runner
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    wconn = get_kv_transfer_group().connector_worker
+    pool = wconn.sink.pool if wconn.sink is not None else None
+    return {
+        "requests": sorted(sched.requests),
+        "spec": sorted(getattr(sched, "_spec", {})),
+        "spec_pending": sorted(half.spec_pending),
+        "worker_recvs": sorted(wconn._recvs),
+        "staging_live": pool.stats().get("regions_live", None) if pool is not None and hasattr(pool, "stats")
+        else None,
+        "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
+        "runner_requests": len(getattr(worker, "requests", {})),
+    }
+
+
+def abort_while_speculating(llm: Any, prompt: list[int], params: dict[str, Any], hold: int,
+                            max_steps: int = 400) -> dict[str, Any]:
+    """Add one request, step until it holds ``hold`` anchor tokens, abort it, then step until idle."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    core = _core(llm)
+    sched = core.scheduler
+    free_before = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    engine.add_request("abort-me", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=64, extra_args={"kv_transfer_params": params}))
+    held, outputs = 0, []
+    for _ in range(max_steps):
+        outputs.extend(engine.step())
+        st = sched._spec.get("abort-me")
+        held = len(st.held) if st is not None else 0
+        if held >= hold:
+            break
+    released = [list(o.outputs[0].token_ids) for o in outputs if o.outputs]
+    engine.abort_request(["abort-me"])
+    for _ in range(max_steps):
+        engine.step()
+        if "abort-me" not in sched.requests and not engine.has_unfinished_requests():
+            break
+    out = state(llm)
+    out.update(held=held, released=released, free_before=free_before)
+    return out
