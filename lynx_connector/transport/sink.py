@@ -346,7 +346,9 @@ class TransferSink:
                        f"({msg.code}): {msg.message}")
             return
         assert isinstance(msg, proto.Regions)
-        want_r = 0 if pull.residual is None else pull.residual[1]
+        # No local residual view = this pull wants the anchor only (e.g. decoding on the anchor alone): the
+        # remote residual is then not read, whatever its size; otherwise both sizes must match exactly.
+        want_r = msg.residual_nbytes if pull.residual is None else pull.residual[1]
         if msg.anchor_nbytes != pull.anchor[1] or msg.residual_nbytes != want_r:
             self._fail(pull, f"size mismatch for {pull.remote_req_id!r}: remote anchor/residual "
                        f"{msg.anchor_nbytes}/{msg.residual_nbytes} bytes, local views {pull.anchor[1]}/{want_r}")

@@ -208,3 +208,16 @@ def test_nixl_failure_mid_transfer_and_abort(pair) -> None:
     assert sink.poll() == []
     with pytest.raises(ValueError, match="inside"):
         sink.pull("d3", *src.address, "p3", torch.zeros(8, dtype=torch.uint8), None)
+
+
+def test_anchor_only_pull_leaves_the_residual_unread(pair) -> None:
+    """Decoding on the anchor alone: D passes no residual view and P's residual is never read (but freed)."""
+    src, sink = pair
+    st = stage(src, "p1", 4096, 8192)
+    loc = sink.pool.alloc_request("d1", 4096, 0)
+    sink.pull("d1", *src.address, "p1", loc.anchor, None)
+    (ev,) = collect(sink, 1)
+    assert ev.ok and ev.stream == "anchor" and torch.equal(loc.anchor, st.anchor)
+    time.sleep(0.2)
+    assert sink.poll() == []  # no residual event
+    wait_for(lambda: src.stats()["regions_live"] == 0)  # done sent after the anchor: P freed both regions
