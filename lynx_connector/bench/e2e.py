@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -59,12 +60,24 @@ class ModelShape:
 
 
 def model_shape(model: str) -> ModelShape:
-    cfg = json.loads((Path(model) / "config.json").read_text())
+    """Layers, KV heads and head size of ``model`` (a local folder or a cached Hugging Face name)."""
+    local = Path(model) / "config.json"
+    if local.exists():
+        cfg = json.loads(local.read_text())
+    else:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(model).to_dict()
+    cfg = cfg.get("text_config", cfg)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return ModelShape(cfg["num_hidden_layers"], cfg.get("num_key_value_heads", cfg["num_attention_heads"]), head_dim)
+    return ModelShape(cfg["num_hidden_layers"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                      head_dim)
 
 
-def wire_bytes(mode: str, num_tokens: int, shape: ModelShape) -> tuple[int, int]:
+CACHE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def wire_bytes(mode: str, num_tokens: int, shape: ModelShape, cache_dtype: str = "float32") -> tuple[int, int]:
     """``(bytes needed before the first client-visible token, bytes on the wire)`` for one request.
 
     anchor: the residual is never pulled. speculative: tokens decoded on the anchor are held until the residual
@@ -74,7 +87,7 @@ def wire_bytes(mode: str, num_tokens: int, shape: ModelShape) -> tuple[int, int]
     from lynx_connector.codec import get_codec
 
     codec = get_codec("lynx" if mode in TWO_STREAM else mode)
-    a, r = codec.plane_nbytes(num_tokens, shape.kv_heads, shape.head_dim, torch.float32)
+    a, r = codec.plane_nbytes(num_tokens, shape.kv_heads, shape.head_dim, getattr(torch, cache_dtype))
     a, r = a * shape.layers, r * shape.layers
     if mode == "anchor":
         return a, a
@@ -183,6 +196,9 @@ class Plan:
     concurrency: list[int]
     conc_length: int
     max_tokens: int
+    cache_dtype: str = "float32"
+    max_model_len: int = MAX_MODEL_LEN
+    serve_args: tuple[str, ...] = ()
 
 
 class Progress:
@@ -223,7 +239,7 @@ def run_rate(dep: Any, model: str, label: str, link_gbps: float | None, plan: Pl
                 for r in got:
                     r.update(link_gbps=link_gbps, concurrency=conc, rate_label=label, nominal_tokens=n)
                 requests.extend(got)
-                row = summarize_cell(got, mode, n, conc, link_gbps, label, prefill[n], shape, delta)
+                row = summarize_cell(got, mode, n, conc, link_gbps, label, prefill[n], shape, delta, plan.cache_dtype)
                 rows.append(row)
                 progress.step(f"{label} conc {conc} {mode:<11} {n:>5} tok: TTFT {_f(row['ttft_s_median'])} s, "
                               f"TT64T {_f(row['tt64_s_median'])} s, ideal {_f(row['ideal_ttft_s'])} s"
@@ -236,9 +252,10 @@ def _f(x: float | None, nd: int = 2) -> str:
 
 
 def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbps: float | None, label: str,
-                   prefill_s: float, shape: ModelShape, delta: dict[str, float]) -> dict[str, Any]:
+                   prefill_s: float, shape: ModelShape, delta: dict[str, float],
+                   cache_dtype: str = "float32") -> dict[str, Any]:
     ok = [r for r in got if r["error"] is None]
-    first, total = zip(*(wire_bytes(mode, r["prompt_tokens"], shape) for r in got), strict=True)
+    first, total = zip(*(wire_bytes(mode, r["prompt_tokens"], shape, cache_dtype) for r in got), strict=True)
     ideals = ideal_ttfts(prefill_s, list(first), link_gbps)
     row: dict[str, Any] = {"mode": mode, "rate_label": label, "link_gbps": link_gbps, "concurrency": conc,
                            "prompt_tokens": round(statistics.mean(r["prompt_tokens"] for r in got)),
@@ -323,11 +340,12 @@ def speculative_serve_args() -> tuple[list[str], str]:
             f"D runs {SPEC_SCHEDULER} with {k} verification slots")
 
 
-def start_deployment(model: str, log_dir: Path, gbps: float | None, spec_args: list[str]) -> Any:
+def start_deployment(model: str, log_dir: Path, gbps: float | None, spec_args: list[str], plan: Plan) -> Any:
     """P + D + proxy (D with ``spec_args``); when D cannot start with them, once more without (noted)."""
     from lynx_connector.launch import Deployment
 
-    dep = Deployment(model, log_dir / "rate0", kv_transfer_config=kv_config(gbps), max_model_len=MAX_MODEL_LEN)
+    dep = Deployment(model, log_dir / "rate0", kv_transfer_config=kv_config(gbps), max_model_len=plan.max_model_len,
+                     extra_serve_args=list(plan.serve_args))
     dep.decode.argv = dep.decode.argv + spec_args
     dep.spec_failed = None
     _write(f"== starting P, D and proxy (link {'unpaced' if gbps is None else f'{gbps:g} Gbit/s'}); "
@@ -341,7 +359,7 @@ def start_deployment(model: str, log_dir: Path, gbps: float | None, spec_args: l
         tail = dep.decode.log_tail(15)
         logger.warning("D did not start with the speculative scheduler (%s); retrying without it", exc)
         dep = Deployment(model, log_dir / "rate0-nospec", kv_transfer_config=kv_config(gbps),
-                         max_model_len=MAX_MODEL_LEN)
+                         max_model_len=plan.max_model_len, extra_serve_args=list(plan.serve_args))
         dep.spec_failed = f"D failed to start with the speculative scheduler: {tail[-300:]}"
         dep.__enter__()
     dep.startup_s = time.perf_counter() - t0
@@ -349,14 +367,15 @@ def start_deployment(model: str, log_dir: Path, gbps: float | None, spec_args: l
     return dep
 
 
-def restart_decode(dep: Any, model: str, gbps: float | None, spec_args: list[str], log_path: Path,
+def restart_decode(dep: Any, model: str, gbps: float | None, spec_args: list[str], log_path: Path, plan: Plan,
                    timeout: float = 600.0) -> None:
     """Stop D and start it again on the same port with a new link rate (P and the proxy keep running)."""
     from lynx_connector.launch import serve_argv
 
     d = dep.decode
     d.stop()
-    d.argv = serve_argv(model, d.port, kv_config(gbps), max_model_len=MAX_MODEL_LEN) + spec_args
+    d.argv = serve_argv(model, d.port, kv_config(gbps), max_model_len=plan.max_model_len,
+                        extra=list(plan.serve_args)) + spec_args
     d.log_path = log_path
     d.start()
     deadline = time.monotonic() + timeout
@@ -382,9 +401,10 @@ def kv_config(link_gbps: float | None) -> str:
                        "kv_connector_extra_config": {"mode": "full", "link_gbps": link_gbps}})
 
 
-def choose_rates(prefill_s: float, ref_tokens: int, shape: ModelShape, ratios: list[float]) -> list[float]:
+def choose_rates(prefill_s: float, ref_tokens: int, shape: ModelShape, ratios: list[float],
+                 cache_dtype: str = "float32") -> list[float]:
     """Link rates (Gbit/s) at which the bf16 transfer of ``ref_tokens`` takes ``ratio x prefill_s``."""
-    bf16_bytes = wire_bytes("bf16", ref_tokens, shape)[1]
+    bf16_bytes = wire_bytes("bf16", ref_tokens, shape, cache_dtype)[1]
     return [float(f"{bf16_bytes * 8 / (ratio * prefill_s) / 1e9:.4g}") for ratio in ratios]
 
 
@@ -404,10 +424,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     conc_length = args.conc_length or (1024 if quick else DEFAULT_CONC_LENGTH)
     repeats = args.repeats or (1 if quick else 3)
     ratios = [float(x) for x in args.ratios.split(",")] if args.ratios else list(DEFAULT_RATIOS)
-    if max(lengths + [conc_length]) + 128 + args.max_tokens > MAX_MODEL_LEN:
-        raise SystemExit(f"prompts plus {args.max_tokens} tokens must fit max_model_len {MAX_MODEL_LEN}")
-    plan = Plan(modes, lengths, repeats, conc, conc_length, args.max_tokens)
-    model = str(prepare())
+    max_len = args.max_model_len or MAX_MODEL_LEN
+    if max(lengths + [conc_length]) + 128 + args.max_tokens > max_len:
+        raise SystemExit(f"prompts plus {args.max_tokens} tokens must fit max_model_len {max_len}")
+    plan = Plan(modes, lengths, repeats, conc, conc_length, args.max_tokens, args.cache_dtype, max_len,
+                tuple(shlex.split(args.serve_args or "")))
+    model = args.model or str(prepare())
     shape = model_shape(model)
     tok = AutoTokenizer.from_pretrained(model)
     all_lengths = sorted(set(lengths + ([conc_length] if max(conc) > 1 else [])))
@@ -436,7 +458,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spec_available = False
     calib_prefill: float | None = None
     # One deployment: P and the proxy stay up; D (the side that paces the link) restarts for each rate.
-    dep = start_deployment(model, log_dir, schedule[0][1], spec_args)
+    dep = start_deployment(model, log_dir, schedule[0][1], spec_args, plan)
     if dep.spec_failed:
         spec_note, spec_args = dep.spec_failed, []
     try:
@@ -446,7 +468,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             t_dep = time.perf_counter()
             if i > 0:
                 _write(f"== link {label}: restarting D")
-                restart_decode(dep, model, gbps, spec_args, log_dir / f"decode{i}.log")
+                restart_decode(dep, model, gbps, spec_args, log_dir / f"decode{i}.log", plan)
             startup = time.perf_counter() - t_dep if i > 0 else dep.startup_s
             warm = prompts[all_lengths[0]][0]
             for m in ("full", "bf16"):  # first requests pay one-time costs (allocation, NIXL handshake)
@@ -467,7 +489,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            for n in sorted(prompts)}
                 _write(f"  {label}: measured prefill " + ", ".join(f"{n} tok {s:.2f} s" for n, s in prefill.items()))
             ref_n = min(prefill, key=lambda k: abs(k - ref_tokens))
-            bf16_xfer = (wire_bytes("bf16", len(prompts[ref_n][0].token_ids), shape)[1] * 8 / (gbps * 1e9)
+            bf16_xfer = (wire_bytes("bf16", len(prompts[ref_n][0].token_ids), shape, plan.cache_dtype)[1] * 8
+                         / (gbps * 1e9)
                          if gbps else 0.0)
             for r in got_rows:
                 r["target_ratio"] = ratio
@@ -479,7 +502,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 "decode_log": str(dep.decode.log_path), "loadavg": _loadavg()})
             if i == 0 and not explicit and not quick:
                 calib_prefill = prefill[ref_n]
-                rates = choose_rates(calib_prefill, len(prompts[ref_n][0].token_ids), shape, ratios)
+                rates = choose_rates(calib_prefill, len(prompts[ref_n][0].token_ids), shape, ratios,
+                                     plan.cache_dtype)
                 schedule += [(f"{g:g} Gbps (bf16 {r:g}x prefill)", g, r) for g, r in zip(rates, ratios, strict=True)]
                 _write("  chosen link rates: " + ", ".join(f"{g:g} Gbit/s (bf16 transfer {r:g}x the "
                        f"{calib_prefill:.2f} s prefill of {ref_n} tokens)" for g, r in zip(rates, ratios,
@@ -491,11 +515,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     equality_by_row(rows, requests)
     result: dict[str, Any] = {
         "bench": "e2e", "quick": quick, "model": Path(model).name, "model_shape": shape.__dict__,
-        "cache_dtype": "float32", "bf16_note": "bf16 mode = passthrough of the cache dtype: fp32 here, 32 bits/value",
+        "cache_dtype": plan.cache_dtype,
+        "bf16_note": f"bf16 mode = passthrough of the cache dtype ({plan.cache_dtype}: "
+                     f"{8 * (4 if plan.cache_dtype == 'float32' else 2)} bits/value)",
         "config": {"modes": modes, "lengths": lengths, "repeats": repeats, "concurrency": conc,
                    "conc_length": conc_length, "max_tokens": args.max_tokens, "ratios": ratios,
                    "ref_tokens": ref_tokens, "explicit_link_gbps": explicit, "ignore_eos": True,
-                   "temperature": 0.0, "block_size": 32, "max_model_len": MAX_MODEL_LEN},
+                   "temperature": 0.0, "max_model_len": max_len, "serve_args": list(plan.serve_args)},
         "speculative": {"available": spec_available, "note": spec_note},
         "calibration_prefill_s": calib_prefill,
         "deployments": deployments, "rows": rows, "requests": requests,
@@ -586,6 +612,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "(the calibration deployment; by default it only measures the prefill)")
     p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per request (EOS ignored)")
     p.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
+    p.add_argument("--model", default=None, help="model path (default: the prepared SmolLM2-135M-Instruct)")
+    p.add_argument("--serve-args", default=None, help="extra `lynx serve` arguments for P and D, one string; "
+                   "later values override the CPU defaults (e.g. '--dtype bfloat16 --gpu-memory-utilization 0.4')")
+    p.add_argument("--max-model-len", type=int, default=None, help=f"servers' max model length ({MAX_MODEL_LEN})")
+    p.add_argument("--cache-dtype", default="float32", choices=CACHE_DTYPES,
+                   help="KV cache dtype of the servers (bytes on the wire are computed for it)")
     p.add_argument("--out", default=None, help="write JSON here (plus .md and PNG plots beside it)")
     return p
 
