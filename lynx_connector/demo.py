@@ -112,7 +112,8 @@ def _summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     full = med("full", "ttft_s")
     for mode in sorted({r["mode"] for r in rows}):
         acc = [r["correct"] for r in rows if r["mode"] == mode]
-        numbers[mode] = {"ttft_s": med(mode, "ttft_s"), "wire_mb": med(mode, "wire_bytes") / 1e6,
+        wire = [r["wire_bytes"] for r in rows if r["mode"] == mode]
+        numbers[mode] = {"ttft_s": med(mode, "ttft_s"), "wire_mb": statistics.median(wire) / 1e6,
                          "accuracy": sum(acc) / len(acc)}
     for base in ("bf16", "int8", "int4"):
         b = med(base, "ttft_s")

@@ -4,11 +4,22 @@
 Used by the demo, the end-to-end benchmark and the server tests. Teardown is guaranteed: ``Deployment`` is a
 context manager, registers an atexit hook and turns SIGTERM into a normal exit, so no server outlives it,
 also on Ctrl-C or failure.
+
+``Deployment(..., netns=True)`` (root, iproute2) runs P, D and the proxy as separate "hosts": each in its own
+network namespace (``lynx_connector.netns``), joined by veth links proxy-P, proxy-D and P-D. KV goes over the
+P-D link with UCX forced onto TCP (``UCX_TLS=tcp``, ``UCX_NET_DEVICES`` = that veth) and P's side channel bound
+to (and advertised as) its P-D address; ``link_mbit`` shapes that link with tc tbf. The proxy is reachable
+only from inside its namespace: make requests within ``with dep.client():`` (the calling thread enters it).
+The namespaces are deleted by ``stop()``.
+
+    python -m lynx_connector.launch MODEL [--netns] [--link-mbit 1000] [--kv-transfer-config lynx:speculative]
 """
 
 from __future__ import annotations
 
+import argparse
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -23,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from lynx_connector.logger import init_logger
+from lynx_connector.presets import expand_kv_transfer_config
 
 logger = init_logger(__name__)
 
@@ -48,23 +60,37 @@ class Server:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
+    host: str = "127.0.0.1"
+    #: network namespace the server runs in (None: this one)
+    netns: str | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> None:
         env = dict(os.environ)
         env.update(self.env)
+        argv = self.argv if self.netns is None else ["ip", "netns", "exec", self.netns, *self.argv]
         self._log = open(self.log_path, "ab")
         # A process group of its own: teardown signals the server and every child it spawned.
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+        # (`ip netns exec` execs the command: the pid is the server's.)
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
-        logger.info("started %s (pid %s): %s", self.name, self.proc.pid, " ".join(self.argv))
+        logger.info("started %s (pid %s): %s", self.name, self.proc.pid, " ".join(argv))
+
+    def reach(self) -> contextlib.AbstractContextManager[None]:
+        """Context in which this server's URL is reachable from the calling thread."""
+        if self.netns is None:
+            return contextlib.nullcontext()
+        from lynx_connector import netns
+
+        return netns.entered(self.netns)
 
     def healthy(self) -> bool:
         try:
-            urllib.request.urlopen(self.url + "/health", timeout=2).close()
+            with self.reach():
+                urllib.request.urlopen(self.url + "/health", timeout=2).close()
             return True
         except (urllib.error.URLError, OSError, ValueError):
             return False
@@ -100,8 +126,8 @@ class Server:
 
 
 def serve_argv(model: str, port: int, kv_transfer_config: str, *, max_model_len: int = 4096,
-               extra: list[str] | None = None) -> list[str]:
-    return [sys.executable, "-m", "lynx_connector.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+               extra: list[str] | None = None, host: str = "127.0.0.1") -> list[str]:
+    return [sys.executable, "-m", "lynx_connector.cli", "serve", model, "--host", host, "--port", str(port),
             "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len), "--block-size", "32",
             "--max-num-seqs", "8", "--max-num-batched-tokens", str(max_model_len), "--seed", "0",
             "--no-enable-prefix-caching", "--kv-transfer-config", kv_transfer_config, *(extra or [])]
@@ -110,33 +136,137 @@ def serve_argv(model: str, port: int, kv_transfer_config: str, *, max_model_len:
 SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false",
               "PYTHONHASHSEED": "0"}
 
+#: Fixed ports in netns mode (each server has its namespace to itself).
+NETNS_PORTS = {"prefill": 8100, "decode": 8200, "proxy": 8000}
+
+
+def with_side_channel_host(kv_transfer_config: str, host: str) -> str:
+    """The KVTransferConfig JSON (a preset expanded) with ``kv_connector_extra_config.side_channel_host``."""
+    text = expand_kv_transfer_config(kv_transfer_config) or kv_transfer_config
+    cfg = json.loads(text)
+    cfg.setdefault("kv_connector_extra_config", {})["side_channel_host"] = host
+    return json.dumps(cfg)
+
+
+@dataclass(frozen=True)
+class NetnsPlan:
+    """Roles, links and addresses of the netns deployment, known before anything is created
+    (links in creation order: proxy-P, proxy-D, P-D; see ``Topology.link_addrs``)."""
+
+    link_mbit: float | None = None
+    mtu: int = 9000
+
+    @staticmethod
+    def links() -> list[tuple[str, str]]:
+        return [("x", "p"), ("x", "d"), ("p", "d")]
+
+    @staticmethod
+    def addr(role: str, peer: str) -> str:
+        from lynx_connector.netns import Topology
+
+        for k, (a, b) in enumerate(NetnsPlan.links(), start=1):
+            if (a, b) == (role, peer):
+                return Topology.link_addrs(k)[0]
+            if (b, a) == (role, peer):
+                return Topology.link_addrs(k)[1]
+        raise KeyError((role, peer))
+
+    @staticmethod
+    def dev(role: str, peer: str) -> str:
+        return f"to-{peer}"
+
+    def build(self) -> Any:
+        """Create the namespaces and links; returns (topology, {role: namespace})."""
+        from lynx_connector import netns
+
+        topo = netns.Topology()
+        try:
+            names = {role: topo.add_namespace(role) for role in ("x", "p", "d")}
+            for a, b in self.links():
+                link = topo.add_link(names[a], names[b], mtu=self.mtu)
+                assert link.addr_a == self.addr(a, b) and link.dev_a == self.dev(a, b), link
+            if self.link_mbit is not None:
+                topo.shape(names["p"], self.dev("p", "d"), self.link_mbit)
+                topo.shape(names["d"], self.dev("d", "p"), self.link_mbit)
+        except BaseException:
+            topo.destroy()
+            raise
+        return topo, names
+
 
 class Deployment:
     """P + D + proxy. ``kv_transfer_config`` is what both servers get (the preset ``lynx`` by default)."""
 
     def __init__(self, model: str, log_dir: Path, *, kv_transfer_config: str = "lynx",
-                 max_model_len: int = 4096, startup_timeout: float = 420.0, extra_serve_args: list[str] | None = None):
+                 max_model_len: int = 4096, startup_timeout: float = 420.0, extra_serve_args: list[str] | None = None,
+                 netns: bool = False, link_mbit: float | None = None):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.startup_timeout = startup_timeout
+        self.topology: Any = None
+        self._old_sigterm: Any = None
+        self._plan = NetnsPlan(link_mbit=link_mbit) if netns else None
+        if link_mbit is not None and not netns:
+            raise ValueError("link_mbit shapes the P-D veth: it needs netns=True (else use link_gbps pacing)")
+        if self._plan is not None:
+            self._init_netns(model, kv_transfer_config, max_model_len, extra_serve_args)
+            return
         p_port, d_port, x_port = free_port(), free_port(), free_port()
         env = dict(SERVER_ENV)
+        p_env, d_env = dict(env), dict(env)
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and (os.cpu_count() or 1) >= 2:
+            # vLLM binds every CPU worker's compute threads to core 0 by default: give P and D a core each,
+            # as they would have separate machines (or GPUs) in production.
+            n = os.cpu_count() or 2
+            p_env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{n // 2 - 1}" if n >= 4 else "0"
+            d_env["VLLM_CPU_OMP_THREADS_BIND"] = f"{n // 2}-{n - 1}" if n >= 4 else "1"
         self.prefill = Server("prefill", serve_argv(model, p_port, kv_transfer_config, max_model_len=max_model_len,
                                                     extra=extra_serve_args),
-                              p_port, self.log_dir / "prefill.log", env=dict(env))
+                              p_port, self.log_dir / "prefill.log", env=p_env)
         self.decode = Server("decode", serve_argv(model, d_port, kv_transfer_config, max_model_len=max_model_len,
                                                   extra=extra_serve_args),
-                             d_port, self.log_dir / "decode.log", env=dict(env))
+                             d_port, self.log_dir / "decode.log", env=d_env)
         self.proxy = Server("proxy", [sys.executable, "-m", "lynx_connector.cli", "proxy", "--host", "127.0.0.1",
                                       "--port", str(x_port), "--prefill", self.prefill.url,
                                       "--decode", self.decode.url],
                             x_port, self.log_dir / "proxy.log", env=dict(env))
         self.servers = [self.prefill, self.decode, self.proxy]
-        self._old_sigterm: Any = None
+
+    def _init_netns(self, model: str, kv_cfg: str, max_model_len: int, extra: list[str] | None) -> None:
+        plan = self._plan
+        assert plan is not None
+        servers = {}
+        for role, name, peer in (("p", "prefill", "x"), ("d", "decode", "x")):
+            kv_peer = "d" if role == "p" else "p"
+            kv_addr = plan.addr(role, kv_peer)  # side channel: bind and advertise on the P-D link
+            host, port = plan.addr(role, peer), NETNS_PORTS[name]
+            env = {**SERVER_ENV, "UCX_TLS": "tcp", "UCX_NET_DEVICES": plan.dev(role, kv_peer),
+                   "VLLM_HOST_IP": kv_addr}
+            argv = serve_argv(model, port, with_side_channel_host(kv_cfg, kv_addr), max_model_len=max_model_len,
+                              extra=extra, host=host)
+            servers[name] = Server(name, argv, port, self.log_dir / f"{name}.log", env=env, host=host)
+        self.prefill, self.decode = servers["prefill"], servers["decode"]
+        x_host, x_port = plan.addr("x", "p"), NETNS_PORTS["proxy"]
+        self.proxy = Server("proxy", [sys.executable, "-m", "lynx_connector.cli", "proxy", "--host", "0.0.0.0",
+                                      "--port", str(x_port), "--prefill", self.prefill.url,
+                                      "--decode", self.decode.url],
+                            x_port, self.log_dir / "proxy.log", env=dict(SERVER_ENV), host=x_host)
+        self.servers = [self.prefill, self.decode, self.proxy]
 
     @property
     def url(self) -> str:
         return self.proxy.url
+
+    def client(self) -> contextlib.AbstractContextManager[None]:
+        """Context in which ``self.url`` (the proxy) is reachable from the calling thread."""
+        return self.proxy.reach()
+
+    @property
+    def kv_link(self) -> tuple[str, str] | None:
+        """(namespace, device) of P's end of the P-D link in netns mode (for counters, faults), else None."""
+        if self.topology is None:
+            return None
+        return self.prefill.netns, NetnsPlan.dev("p", "d")
 
     def __enter__(self) -> Deployment:
         atexit.register(self.stop)
@@ -152,6 +282,12 @@ class Deployment:
         self.stop()
 
     def start(self) -> None:
+        if self._plan is not None and self.topology is None:
+            self.topology, names = self._plan.build()
+            for server, role in ((self.prefill, "p"), (self.decode, "d"), (self.proxy, "x")):
+                server.netns = names[role]
+            logger.info("namespaces: prefill %s, decode %s, proxy %s (P-D link %s <-> %s)", names["p"],
+                        names["d"], names["x"], self._plan.addr("p", "d"), self._plan.addr("d", "p"))
         for s in self.servers:
             s.start()
         deadline = time.monotonic() + self.startup_timeout
@@ -170,8 +306,15 @@ class Deployment:
             time.sleep(1.0)
 
     def stop(self) -> None:
-        for s in reversed(self.servers):
-            s.stop()
+        try:
+            for s in reversed(self.servers):
+                s.stop()
+        finally:
+            if self.topology is not None:
+                self.topology.destroy()
+                self.topology = None
+                for s in self.servers:
+                    s.netns = None
         atexit.unregister(self.stop)
         if self._old_sigterm is not None:
             signal.signal(signal.SIGTERM, self._old_sigterm)
@@ -180,3 +323,32 @@ class Deployment:
 
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start a deployment and keep it up until Ctrl-C / SIGTERM (then tear everything down)."""
+    ap = argparse.ArgumentParser(prog="python -m lynx_connector.launch", description=__doc__.split("\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--log-dir", default="lynx-logs")
+    ap.add_argument("--kv-transfer-config", default="lynx")
+    ap.add_argument("--netns", action="store_true", help="P, D and the proxy in their own network namespaces")
+    ap.add_argument("--link-mbit", type=float, default=None, help="tc tbf rate on the P-D veth (netns only)")
+    ap.add_argument("--startup-timeout", type=float, default=420.0)
+    args = ap.parse_args(argv)
+    dep = Deployment(args.model, Path(args.log_dir), kv_transfer_config=args.kv_transfer_config,
+                     startup_timeout=args.startup_timeout, netns=args.netns, link_mbit=args.link_mbit)
+    try:
+        with dep:
+            where = f" (inside: ip netns exec {dep.proxy.netns} ...)" if args.netns else ""
+            sys.stdout.write(f"proxy at {dep.url}{where}; Ctrl-C stops everything\n")
+            sys.stdout.flush()
+            while all(s.proc is not None and s.proc.poll() is None for s in dep.servers):
+                time.sleep(1.0)
+            logger.error("a server exited; stopping the deployment (logs in %s)", dep.log_dir)
+            return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -29,7 +29,7 @@ from lynx_connector.transport.events import ANCHOR, RESIDUAL, TransferEvent
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
 from lynx_connector.transport.pool import StagingPool
 from lynx_connector.transport.scheduler import StreamJob, TransferScheduler
-from lynx_connector.transport.wake import Waker
+from lynx_connector.transport.wake import Waker, unpin_current_thread
 
 logger = init_logger(__name__)
 
@@ -185,6 +185,7 @@ class TransferSink:
         self._waker.wake()
 
     def _serve(self) -> None:
+        unpin_current_thread()
         t_cpu = time.thread_time()
         while not self._stop:
             self._run_commands()

@@ -22,7 +22,7 @@ from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
 from lynx_connector.transport.pool import StagedRequest, StagingPool
-from lynx_connector.transport.wake import Waker
+from lynx_connector.transport.wake import Waker, unpin_current_thread
 
 logger = init_logger(__name__)
 
@@ -148,6 +148,7 @@ class TransferSource:
         return True
 
     def _serve(self) -> None:
+        unpin_current_thread()
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._waker.receiver, zmq.POLLIN)

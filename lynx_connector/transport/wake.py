@@ -41,3 +41,22 @@ class Waker:
         with self._lock:
             self._sender.close(linger=0)
         self.receiver.close(linger=0)
+
+
+def unpin_current_thread() -> None:
+    """Let the calling (service) thread run on every CPU of the machine.
+
+    vLLM's CPU worker binds its process to the cores of its OpenMP compute threads (often a single core on a
+    small machine), and threads inherit that affinity. A transport thread pinned to the compute core waits
+    behind the model's forward pass; unpinned, it answers side-channel messages and posts transfers on any
+    idle core. It sleeps in ``zmq.Poller.poll`` when idle, so it costs nothing there.
+    """
+    import os
+
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        allowed = set(range(os.cpu_count() or 1))
+        os.sched_setaffinity(0, allowed)  # pid 0 = the calling thread on Linux
+    except OSError:  # restricted by a cgroup/cpuset: keep what we have
+        pass
