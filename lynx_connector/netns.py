@@ -47,7 +47,6 @@ _NETNS_DIR = "/var/run/netns"
 _CLONE_NEWNET = 0x40000000
 _NAME_RE = re.compile(r"^lynx(\d+)x\d+[a-z0-9]*$")
 _counter = itertools.count()
-_link_counter = itertools.count(1)
 
 
 class NetnsError(RuntimeError):
@@ -120,6 +119,7 @@ class Topology:
         self._tag = f"lynx{os.getpid()}x{next(_counter)}"
         self.namespaces: list[str] = []
         self.links: list[Link] = []
+        self._links_made = 0
 
     def __enter__(self) -> Topology:
         return self
@@ -138,18 +138,31 @@ class Topology:
         _run(["ip", "-n", name, "link", "set", "lo", "up"])
         return name
 
+    @staticmethod
+    def link_addrs(k: int) -> tuple[str, str]:
+        """Addresses of the k-th link (1-based) of any topology: (a end, b end). Topologies are isolated from
+        each other, so every topology numbers its links from 1 and the addresses are known before creation."""
+        if not 1 <= k <= 250:
+            raise ValueError(f"link index must be in [1, 250], got {k}")
+        return f"{SUBNET}.{k}.1", f"{SUBNET}.{k}.2"
+
+    @staticmethod
+    def link_devs(role_a: str, role_b: str) -> tuple[str, str]:
+        """Device names of a link between roles a and b: ``to-<b>`` (in a), ``to-<a>`` (in b)."""
+        return f"to-{role_b}"[:15], f"to-{role_a}"[:15]
+
     def add_link(self, ns_a: str, ns_b: str, *, mtu: int = 9000) -> Link:
-        """A veth pair between two of this topology's namespaces, addressed ``10.213.<k>.1/30`` (a) and
-        ``.2`` (b). Device names say where the other end is (``to-<role of b>`` in a)."""
+        """A veth pair between two of this topology's namespaces; the k-th link is addressed ``10.213.<k>.1/30``
+        (a) and ``.2`` (b) (:meth:`link_addrs`). Device names say where the other end is (:meth:`link_devs`)."""
         for ns in (ns_a, ns_b):
             if ns not in self.namespaces:
                 raise ValueError(f"{ns} is not a namespace of this topology")
-        k = next(_link_counter) % 250 + 1
-        role_a, role_b = ns_a[len(self._tag):], ns_b[len(self._tag):]
-        dev_a, dev_b = f"to-{role_b}"[:15], f"to-{role_a}"[:15]
+        self._links_made += 1
+        addr_a, addr_b = self.link_addrs(self._links_made)
+        dev_a, dev_b = self.link_devs(ns_a[len(self._tag):], ns_b[len(self._tag):])
         _run(["ip", "link", "add", "name", dev_a, "netns", ns_a, "mtu", str(mtu), "type", "veth",
               "peer", "name", dev_b, "netns", ns_b, "mtu", str(mtu)])
-        link = Link(ns_a, dev_a, f"{SUBNET}.{k}.1", ns_b, dev_b, f"{SUBNET}.{k}.2", mtu)
+        link = Link(ns_a, dev_a, addr_a, ns_b, dev_b, addr_b, mtu)
         for ns, dev, addr in ((ns_a, dev_a, link.addr_a), (ns_b, dev_b, link.addr_b)):
             _run(["ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev])
             _run(["ip", "-n", ns, "link", "set", dev, "up"])
