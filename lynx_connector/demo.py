@@ -130,10 +130,14 @@ def _summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"lines": lines, "numbers": numbers}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lynx demo", description=__doc__)
-    add_arguments(p)
-    args = p.parse_args(argv)
+def main(argv: list[str] | argparse.Namespace | None = None) -> int:
+    """Entry point for ``lynx demo`` (which passes parsed arguments) and ``python -m lynx_connector.demo``."""
+    if isinstance(argv, argparse.Namespace):
+        args = argv
+    else:
+        p = argparse.ArgumentParser(prog="lynx demo", description=__doc__)
+        add_arguments(p)
+        args = p.parse_args(argv)
     try:
         result = run(args)
     except KeyboardInterrupt:
