@@ -1,0 +1,89 @@
+"""The Kubernetes manifests in examples/k8s, offline: every document validates against the Kubernetes OpenAPI
+JSON schemas shipped by `kubernetes-validate` (strict: unknown fields rejected), and the Lynx wiring is right
+(the preset expands, side channel on the pod IP, readiness on /health, GPU requests, proxy URLs = pods)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from lynx_connector.presets import expand_kv_transfer_config
+
+kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (offline Kubernetes schemas) missing")
+
+K8S = Path(__file__).resolve().parents[2] / "examples" / "k8s"
+FILES = sorted(K8S.glob("*.yaml"))
+VERSIONS = ["1.29.0", "1.37.0"]
+
+
+def docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def by_kind(path: Path, kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs(path) if d["kind"] == kind}
+
+
+def test_manifests_exist() -> None:
+    assert {p.name for p in FILES} >= {"1p1d.yaml", "xpyd.yaml", "networkpolicy.yaml"}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_valid_against_kubernetes_schemas(path: Path, version: str) -> None:
+    for doc in docs(path):
+        try:
+            kv.validate(doc, version, strict=True)
+        except kv.ValidationError as exc:
+            pytest.fail(f"{path.name}: {doc['kind']}/{doc['metadata']['name']} invalid for {version}: "
+                        f"{exc.message} at {'/'.join(map(str, exc.path))}")
+
+
+def _container(workload: dict[str, Any]) -> dict[str, Any]:
+    (c,) = workload["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def _expand(arg: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
+
+
+@pytest.mark.parametrize("path", [K8S / "1p1d.yaml", K8S / "xpyd.yaml"], ids=lambda p: p.name)
+def test_lynx_wiring(path: Path) -> None:
+    cm = by_kind(path, "ConfigMap")["lynx-config"]["data"]
+    sets = by_kind(path, "StatefulSet")
+    services = by_kind(path, "Service")
+    for role in ("prefill", "decode"):
+        sts = sets[f"lynx-{role}"]
+        assert services[sts["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"  # per-pod DNS
+        c = _container(sts)
+        env = {**cm, "POD_IP": "10.1.2.3"}
+        names = {e["name"] for e in c["env"]}
+        assert {"POD_IP", "VLLM_HOST_IP"} <= names
+        assert c["envFrom"][0]["configMapRef"]["name"] == "lynx-config"
+        args = [_expand(a, env) for a in c["args"]]
+        assert args[:2] == ["serve", cm["MODEL"]]
+        raw = args[args.index("--kv-transfer-config") + 1]
+        expanded = json.loads(expand_kv_transfer_config(raw))
+        assert expanded["kv_connector"] == "LynxConnector" and expanded["kv_role"] == "kv_both"
+        assert expanded["kv_load_failure_policy"] == "fail"
+        extra = expanded["kv_connector_extra_config"]
+        assert extra["side_channel_host"] == "10.1.2.3" and extra["mode"] == cm["LYNX_MODE"].split(":")[1]
+        assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        if role == "prefill":
+            assert ports["side-channel"] == extra["side_channel_port"]
+    proxy = _container(by_kind(path, "Deployment")["lynx-proxy"])
+    assert proxy["readinessProbe"]["httpGet"]["path"] == "/health"
+    for role in ("prefill", "decode"):
+        urls = [a.split("=", 1)[1] for a in proxy["args"] if a.startswith(f"--{role}=")]
+        n = sets[f"lynx-{role}"]["spec"]["replicas"]
+        assert urls == [f"http://lynx-{role}-{i}.lynx-{role}:8000" for i in range(n)]
+    if path.name == "xpyd.yaml":
+        assert sets["lynx-prefill"]["spec"]["replicas"] > 1 and sets["lynx-decode"]["spec"]["replicas"] > 1
