@@ -1,0 +1,111 @@
+"""examples/1p1d/run_1p1d.sh with a stub `lynx` (a tiny HTTP server per role that also spawns a child): the
+script starts P, D and the proxy, waits for /health, asks one question, and its trap leaves no process behind,
+on a normal exit, on SIGTERM while it keeps the deployment up, and when a server dies during start-up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "1p1d" / "run_1p1d.sh"
+pytestmark = pytest.mark.timeout(120)
+
+STUB = r'''#!PYTHON
+import http.server, json, os, subprocess, sys
+args = sys.argv[1:]
+role, port = args[0], int(args[args.index("--port") + 1])
+if role == "serve" and os.environ.get("STUB_FAIL_SERVE"):
+    sys.exit(3)
+child = subprocess.Popen(["sleep", "300"])            # a grandchild: the trap must kill the whole group
+with open(os.path.join(os.environ["STUB_DIR"], f"{role}-{port}.pids"), "w") as f:
+    f.write(f"{os.getpid()} {child.pid}\n")
+if role == "serve":
+    json.loads(args[args.index("--kv-transfer-config") + 1])   # valid JSON
+class H(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def _send(self, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(data))); self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self): self._send({})
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"])); self._send({"choices": [{"text": " Paris."}]})
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _setup(tmp_path: Path, **extra: str) -> dict[str, str]:
+    stub = tmp_path / "lynx"
+    stub.write_text(STUB.replace("PYTHON", sys.executable))
+    stub.chmod(0o755)
+    (tmp_path / "pids").mkdir()
+    return {**os.environ, "LYNX": str(stub), "PYTHON": sys.executable, "MODEL": "stub-model",
+            "STUB_DIR": str(tmp_path / "pids"), "LOG_DIR": str(tmp_path / "logs"), "STARTUP_TIMEOUT": "30",
+            "P_PORT": str(_free_port()), "D_PORT": str(_free_port()), "PROXY_PORT": str(_free_port()), **extra}
+
+
+def _all_pids(tmp_path: Path) -> list[int]:
+    return [int(p) for f in (tmp_path / "pids").glob("*.pids") for p in f.read_text().split()]
+
+
+def _assert_all_gone(pids: list[int], within: float = 10.0) -> None:
+    end = time.monotonic() + within
+    alive = pids
+    while alive and time.monotonic() < end:
+        alive = [p for p in alive if os.path.exists(f"/proc/{p}") and
+                 not Path(f"/proc/{p}/stat").read_text().split()[2] == "Z"]
+        time.sleep(0.1)
+    assert not alive, f"left running: {alive}"
+
+
+def test_runs_asks_and_tears_down(tmp_path: Path) -> None:
+    env = _setup(tmp_path)
+    res = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=90)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "answer in" in res.stdout and "Paris" in res.stdout, res.stdout
+    pids = _all_pids(tmp_path)
+    assert len(pids) == 6  # prefill, decode, proxy + a child each
+    _assert_all_gone(pids)
+
+
+def test_sigterm_while_kept_up_tears_down(tmp_path: Path) -> None:
+    env = _setup(tmp_path, KEEP="1")
+    proc = subprocess.Popen(["bash", str(SCRIPT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        end = time.monotonic() + 60
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if "Ctrl-C stops everything" in line:
+                break
+            assert time.monotonic() < end
+        pids = _all_pids(tmp_path)
+        assert len(pids) == 6
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 143
+        _assert_all_gone(pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_server_dying_at_startup_fails_fast_and_cleans_up(tmp_path: Path) -> None:
+    env = _setup(tmp_path, STUB_FAIL_SERVE="1")
+    t0 = time.monotonic()
+    res = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=90)
+    assert res.returncode == 1 and "prefill exited" in res.stdout, res.stdout + res.stderr
+    assert time.monotonic() - t0 < 20
+    _assert_all_gone(_all_pids(tmp_path))
