@@ -76,7 +76,7 @@ class LynxConfig:
     chunk_bytes: int = 1 << 20
     window_bytes: int = 8 << 20
     #: Staging memory registered with NIXL once, per worker, MiB.
-    staging_mb: int = 512
+    staging_mb: int = 256
     #: P's side channel (zmq). Port 0 picks a free port and tells D through kv_transfer_params.
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0

@@ -133,7 +133,7 @@ def serve_argv(model: str, port: int, kv_transfer_config: str, *, max_model_len:
             "--no-enable-prefix-caching", "--kv-transfer-config", kv_transfer_config, *(extra or [])]
 
 
-SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false",
+SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
               "PYTHONHASHSEED": "0"}
 
 #: Fixed ports in netns mode (each server has its namespace to itself).

@@ -1,0 +1,111 @@
+"""The deployment users run: real `lynx serve` prefill and decode servers (vLLM's OpenAI server + the plugin's
+`--kv-transfer-config lynx` preset) and `lynx proxy`, with the real model, over HTTP, KV over real NIXL."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    from lynx_connector.launch import Deployment
+    from lynx_connector.models import is_prepared, model_dir
+
+    if not is_prepared():
+        pytest.skip("the real model is not prepared (scripts/setup_env.sh prepares it)")
+    cfg = json.dumps({"kv_connector": "lynx",
+                      "kv_connector_extra_config": {"mode": "full", "link_gbps": 0.5, "lease_s": 60}})
+    with Deployment(str(model_dir()), tmp_path_factory.mktemp("servers"), kv_transfer_config=cfg,
+                    max_model_len=4096) as dep:
+        yield dep
+
+
+@pytest.fixture(scope="module")
+def needle(deployment):
+    from transformers import AutoTokenizer
+
+    from lynx_connector.data import build_needle_prompt
+    from lynx_connector.models import model_dir
+
+    return build_needle_prompt(AutoTokenizer.from_pretrained(str(model_dir())), 1200, depth=0.5, seed=7)
+
+
+def post(url, body, timeout=300):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.parametrize("mode", ["full", "int8"])
+def test_completion_through_the_proxy_finds_the_needle(deployment, needle, mode):
+    from lynx_connector.models import model_dir
+
+    out = post(deployment.url + "/v1/completions", {
+        "model": str(model_dir()), "prompt": needle.token_ids, "max_tokens": 12, "temperature": 0,
+        "kv_transfer_params": {"lynx_mode": mode}})
+    assert needle.answer in out["choices"][0]["text"], out
+
+
+def test_streaming_chat_through_the_proxy(deployment):
+    from lynx_connector.client import stream_completion
+    from lynx_connector.models import model_dir
+
+    res = stream_completion(deployment.url, str(model_dir()), "The capital of France is", max_tokens=8)
+    assert res.error is None and "Paris" in res.text
+    assert res.ttft is not None and len(res.token_times) >= 2
+
+
+def test_metrics_are_exported(deployment, needle):
+    from lynx_connector.models import model_dir
+
+    post(deployment.url + "/v1/completions", {"model": str(model_dir()), "prompt": needle.token_ids,
+                                              "max_tokens": 2, "kv_transfer_params": {"lynx_mode": "full"}})
+    with urllib.request.urlopen(deployment.decode.url + "/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    assert re.search(r'vllm:lynx_transfer_bytes_total\{[^}]*stream="anchor"[^}]*\} [1-9]', metrics), metrics[-2000:]
+    assert re.search(r'vllm:lynx_transfer_bytes_total\{[^}]*stream="residual"[^}]*\} [1-9]', metrics)
+    deadline = time.monotonic() + 60  # the "KV Transfer metrics" line is logged every ~10 s
+    while time.monotonic() < deadline:
+        d_log = deployment.decode.log_path.read_text()
+        p_log = deployment.prefill.log_path.read_text()
+        if "KV Transfer metrics: Num pulls=" in d_log and re.search(r"KV Transfer metrics: .*Num encodes=[1-9]",
+                                                                    p_log):
+            break
+        time.sleep(2)
+    else:
+        pytest.fail("no 'KV Transfer metrics' line with pulls on D and encodes on P")
+
+
+def test_client_abort_while_kv_in_flight_releases_everything(deployment, needle):
+    """The client goes away while D is still pulling (bf16 over a 0.5 Gbit/s link takes seconds): D cancels
+    the pull and tells P, and the servers keep serving."""
+    from lynx_connector.models import model_dir
+
+    model = str(model_dir())
+    pre = post(deployment.prefill.url + "/v1/completions", {
+        "model": model, "prompt": needle.token_ids, "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True, "lynx_mode": "bf16"}})
+    body = json.dumps({"model": model, "prompt": needle.token_ids, "max_tokens": 8,
+                       "kv_transfer_params": pre["kv_transfer_params"]}).encode()
+    req = urllib.request.Request(deployment.decode.url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:  # ~55 MB at 0.5 Gbit/s: about a second of transfer; hang up well before
+        urllib.request.urlopen(req, timeout=0.3).read()
+    except (TimeoutError, OSError):
+        pass
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if "aborted by the client" in deployment.decode.log_path.read_text():
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("D did not report the aborted pull")
+    # and the deployment still serves
+    test_completion_through_the_proxy_finds_the_needle(deployment, needle, "full")
