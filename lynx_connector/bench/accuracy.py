@@ -277,11 +277,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "bf16" in modes:  # the reference goes first
         modes.remove("bf16")
         modes.insert(0, "bf16")
-    lengths = [int(x) for x in (args.lengths or ("1024" if quick else "1024,2048,3072")).split(",")]
+    lengths = [int(x) for x in (args.lengths or ("1024" if quick else "1024,2048")).split(",")]
     depths = [float(x) for x in (args.depths or ("0.5" if quick else "0.1,0.3,0.5,0.7,0.9")).split(",")]
     n_windows = args.windows if args.windows is not None else (1 if quick else 8)
-    window = args.window_tokens or (1024 if quick else 2048)
-    cont = args.continuation_tokens or (128 if quick else 256)
+    window = args.window_tokens or 1024
+    cont = args.continuation_tokens or 128
     model = str(prepare())
     tok = AutoTokenizer.from_pretrained(model)
     needles = [build_needle_prompt(tok, n, depth=dp, seed=7 + 31 * i + j)
@@ -353,7 +353,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="CI size (< 3 minutes)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes (bf16 is the reference)")
-    p.add_argument("--lengths", default=None, help="needle context lengths (default 1024,2048,3072)")
+    p.add_argument("--lengths", default=None, help="needle context lengths (default 1024,2048)")
     p.add_argument("--depths", default=None, help="needle depths (default 0.1,0.3,0.5,0.7,0.9)")
     p.add_argument("--windows", type=int, default=None, help="perplexity windows (default 8; 0 = none)")
     p.add_argument("--window-tokens", type=int, default=None, help="tokens per window, context + continuation")
