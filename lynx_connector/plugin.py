@@ -13,7 +13,11 @@ It does two things:
    ``EngineArgs.add_cli_args`` and, on each parser it builds, wraps the ``type`` callable of the
    ``--kv-transfer-config`` action so that a preset value is expanded to JSON before vLLM's own
    dataclass parser sees it. JSON values, dotted keys (FlexibleArgumentParser turns them into JSON)
-   and ``--config file.yaml`` (turned into ordinary arguments) all go through the same callable.
+   and ``--config file.yaml`` (turned into ordinary arguments) all go through the same callable;
+3. after parsing (a wrapper around the parser's ``parse_known_args``), when the KV transfer config is a
+   LynxConnector config in ``speculative`` mode and the user set neither ``--scheduler-cls`` nor a
+   speculative config (``--speculative-config`` or ``--spec-*``), fills both in with
+   :func:`lynx_connector.presets.speculative_defaults` (the Lynx scheduler and a null proposer).
 
 If a vLLM version lacks one of these hook points, a warning is logged and the rest keeps working.
 """
@@ -32,6 +36,7 @@ from lynx_connector.presets import (
     PresetError,
     expand_kv_transfer_config,
     preset_names,
+    speculative_defaults,
 )
 
 logger = init_logger(__name__)
@@ -115,14 +120,60 @@ def _wrap_type(original: Callable[[str], Any] | None) -> Callable[[str], Any]:
     return parse_kv_transfer_config
 
 
+def apply_speculative_defaults(args: argparse.Namespace) -> bool:
+    """Fill in ``scheduler_cls`` / ``speculative_config`` for a speculative-mode Lynx config when the user gave
+    neither; True when it did. A user-given value is never overridden (a partial one is warned about)."""
+    kv = getattr(args, "kv_transfer_config", None)
+    defaults = speculative_defaults(kv) if kv is not None else None
+    if defaults is None:
+        return False
+    user_sched = getattr(args, "scheduler_cls", None)
+    user_spec = getattr(args, "speculative_config", None) or any(
+        getattr(args, name, None) is not None for name in ("spec_method", "spec_model", "spec_tokens"))
+    if user_sched is not None and user_spec:
+        return False
+    if user_sched is not None or user_spec:
+        logger.warning("Lynx speculative mode: you set %s but not %s; leaving both as given (the Lynx scheduler "
+                       "needs --scheduler-cls %s and a custom_class speculative config)",
+                       "--scheduler-cls" if user_sched is not None else "a speculative config",
+                       "a speculative config" if user_sched is not None else "--scheduler-cls",
+                       defaults["scheduler_cls"])
+        return False
+    args.scheduler_cls = defaults["scheduler_cls"]
+    args.speculative_config = defaults["speculative_config"]
+    logger.info("Lynx speculative mode: --scheduler-cls %s --speculative-config %s", args.scheduler_cls,
+                args.speculative_config)
+    return True
+
+
+def _wrap_parse(parser: argparse.ArgumentParser) -> None:
+    original = parser.parse_known_args
+    if getattr(original, _WRAPPED_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def parse_known_args(args: Any = None, namespace: Any = None) -> Any:
+        ns, rest = original(args, namespace)
+        try:
+            apply_speculative_defaults(ns)
+        except Exception:
+            logger.warning("Lynx plugin: could not apply the speculative-mode defaults", exc_info=True)
+        return ns, rest
+
+    setattr(parse_known_args, _WRAPPED_MARK, True)
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+
+
 def patch_parser(parser: argparse.ArgumentParser) -> bool:
-    """Wrap the ``type`` of the parser's ``--kv-transfer-config`` action (idempotent)."""
+    """Wrap the ``type`` of the parser's ``--kv-transfer-config`` action and its ``parse_known_args``
+    (idempotent)."""
     for action in getattr(parser, "_actions", []):
         if KV_TRANSFER_OPTION in getattr(action, "option_strings", ()):
             if not getattr(action.type, _WRAPPED_MARK, False):
                 action.type = _wrap_type(action.type)
                 if action.help and "lynx" not in action.help:
                     action.help += "\n\nLynx presets: " + ", ".join(preset_names())
+            _wrap_parse(parser)
             return True
     logger.warning("Lynx plugin: no %s option on this parser; presets disabled", KV_TRANSFER_OPTION)
     return False

@@ -7,7 +7,8 @@ Accepted forms (case-insensitive, surrounding whitespace ignored):
 
 * ``lynx``                      -> LynxConnector, mode ``full``
 * ``lynx:<mode>``               -> LynxConnector with that mode, one of :data:`PRESET_MODES`
-                                   (``speculative`` additionally needs the Lynx scheduler, see issue 5)
+                                   (``speculative`` also gets the Lynx scheduler and a null proposer,
+                                   see :func:`speculative_defaults`)
 * JSON whose ``kv_connector`` is one of the names above, e.g. what dotted keys produce::
 
       --kv-transfer-config.kv_connector lynx:int8 \\
@@ -34,6 +35,12 @@ CONNECTOR_MODULE = "lynx_connector.connector"
 
 PRESET_MODES: tuple[str, ...] = ("full", "anchor", "speculative", "bf16", "fp8", "int8", "int4")
 DEFAULT_MODE = "full"
+
+#: What a speculative-mode instance needs besides the connector (lynx_connector/spec/).
+SPEC_SCHEDULER = "lynx_connector.spec.scheduler.LynxSpecScheduler"
+NULL_PROPOSER = "lynx_connector.spec.proposer.NullProposer"
+DEFAULT_MAX_SPECULATIVE_TOKENS = 64
+MAX_SPEC_LEN = 128  # vLLM's RejectionSampler limit on drafts per step
 
 
 class PresetError(ValueError):
@@ -118,3 +125,27 @@ def expand_kv_transfer_config(value: str) -> str | None:
         return None
     expanded = expand_preset_dict(parsed)
     return None if expanded is None else json.dumps(expanded)
+
+
+def speculative_defaults(kv_config: Any) -> dict[str, Any] | None:
+    """Engine settings a decode instance needs for the ``speculative`` mode, or None when ``kv_config`` (a
+    dict or a parsed KVTransferConfig) is not a LynxConnector config in that mode.
+
+    ``scheduler_cls``: the Lynx scheduler (holds anchor-phase tokens, rewinds and verifies);
+    ``speculative_config``: a ``custom_class`` null proposer with ``num_speculative_tokens`` = the speculation
+    cap (``max_speculative_tokens``, so all held tokens are verified in one pass; at most 128)."""
+    get = kv_config.get if isinstance(kv_config, dict) else (lambda k, d=None: getattr(kv_config, k, d))
+    if get("kv_connector") != CONNECTOR_NAME:
+        return None
+    extra = get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict) or str(extra.get("mode", DEFAULT_MODE)).strip().lower() != "speculative":
+        return None
+    try:
+        cap = int(extra.get("max_speculative_tokens", DEFAULT_MAX_SPECULATIVE_TOKENS))
+    except (TypeError, ValueError):
+        cap = DEFAULT_MAX_SPECULATIVE_TOKENS  # the connector reports the bad value itself
+    k = max(1, min(cap, MAX_SPEC_LEN))
+    return {
+        "scheduler_cls": SPEC_SCHEDULER,
+        "speculative_config": {"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": k},
+    }

@@ -31,6 +31,20 @@ def generate(llm: Any, prompts: list[list[int]], sp_kwargs: dict[str, Any],
     return outs
 
 
+def _live(pool: Any) -> int | None:
+    if pool is None:
+        return None
+    val = getattr(pool, "requests_live", None)
+    return val() if callable(val) else val
+
+
+def _spec_state(sched: Any, prefix: str) -> Any:
+    for req_id, st in getattr(sched, "_spec", {}).items():
+        if req_id.startswith(prefix):
+            return st
+    return None
+
+
 def state(llm: Any) -> dict[str, Any]:
     """Bookkeeping that must be empty when nothing runs: scheduler requests, spec states, pulls, staging."""
     core = _core(llm)
@@ -46,8 +60,7 @@ def state(llm: Any) -> dict[str, Any]:
         "spec": sorted(getattr(sched, "_spec", {})),
         "spec_pending": sorted(half.spec_pending),
         "worker_recvs": sorted(wconn._recvs),
-        "staging_live": pool.stats().get("regions_live", None) if pool is not None and hasattr(pool, "stats")
-        else None,
+        "staging_live": _live(pool),
         "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
         "runner_requests": len(getattr(worker, "requests", {})),
     }
@@ -67,7 +80,7 @@ def abort_while_speculating(llm: Any, prompt: list[int], params: dict[str, Any],
     held, outputs = 0, []
     for _ in range(max_steps):
         outputs.extend(engine.step())
-        st = sched._spec.get("abort-me")
+        st = _spec_state(sched, "abort-me")
         held = len(st.held) if st is not None else 0
         if held >= hold:
             break
@@ -75,7 +88,7 @@ def abort_while_speculating(llm: Any, prompt: list[int], params: dict[str, Any],
     engine.abort_request(["abort-me"])
     for _ in range(max_steps):
         engine.step()
-        if "abort-me" not in sched.requests and not engine.has_unfinished_requests():
+        if not any(r.startswith("abort-me") for r in sched.requests) and not engine.has_unfinished_requests():
             break
     out = state(llm)
     out.update(held=held, released=released, free_before=free_before)

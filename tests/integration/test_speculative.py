@@ -1,0 +1,224 @@
+"""Speculative mode end to end on real vLLM (CPU, fp32, the real SmolLM2, real needle prompts): P encodes, D
+decodes on the anchor, holds the tokens, and verifies them when the residual is merged.
+
+One P and one speculation-enabled D serve every scenario: the transfer mode is chosen per request
+(``lynx_mode``), so the reference is ``full`` mode on the very same D (same kernels, same batch shapes for
+the prompt). When the residual is merged is fixed per request with the test-only hook
+``lynx_test_hooks.delay_residual_steps`` (worker steps after the anchor; needs ``LYNX_TEST_HOOKS=1``,
+which ``SpecEngine`` sets). D: ``num_speculative_tokens`` K=8, ``max_speculative_tokens`` 16 (so held
+tokens are verified in up to two passes, and a late residual exercises the cap).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.integration.engines import EngineProcess, lynx_kv_config
+from tests.integration.spec_engine import SpecEngine
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+K, CAP = 8, 16
+PROBES = "tests.integration.spec_probes"
+
+
+@pytest.fixture(scope="module")
+def model():
+    from lynx_connector.models import is_prepared, model_dir
+
+    if not is_prepared():
+        pytest.skip("the real model is not prepared (scripts/setup_env.sh prepares it)")
+    return str(model_dir())
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    from transformers import AutoTokenizer
+
+    from lynx_connector.data import build_needle_prompt
+
+    tok = AutoTokenizer.from_pretrained(model)
+    specs = ((1000, 0.3, 1), (1500, 0.5, 2), (1900, 0.7, 3))
+    return [build_needle_prompt(tok, n, depth=d, seed=s) for n, d, s in specs]
+
+
+def spec_d_config(**extra):
+    from lynx_connector.spec.proposer import NULL_PROPOSER
+    from lynx_connector.spec.scheduler import SPEC_SCHEDULER
+
+    return dict(scheduler_cls=SPEC_SCHEDULER,
+                speculative_config={"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": K},
+                **extra)
+
+
+@pytest.fixture(scope="module")
+def engines(model):
+    started = []
+    try:
+        p = EngineProcess(model, lynx_kv_config("full"), cpu="0")
+        started.append(p)
+        d = SpecEngine(model, lynx_kv_config("full", max_speculative_tokens=CAP), cpu="1", **spec_d_config())
+        started.append(d)
+        yield p, d
+    finally:
+        for e in reversed(started):
+            e.close()
+
+
+def prefill(p, ids, mode, hooks=None):
+    pre = p.generate(ids, [{"do_remote_decode": True, "lynx_mode": mode}] * len(ids), max_tokens=1)
+    params = [dict(o["kv_transfer_params"]) for o in pre]
+    assert all(pp.get("do_remote_prefill") and pp["lynx_mode"] == mode for pp in params), params
+    if hooks:
+        for pp in params:
+            pp["lynx_test_hooks"] = dict(hooks)
+    return params
+
+
+def run(p, d, ids, mode, hooks=None, **sampling):
+    return d.generate(ids, prefill(p, ids, mode, hooks), **sampling)
+
+
+def counters(out):
+    return (out["kv_transfer_params"] or {}).get("lynx_speculation")
+
+
+_reference: dict = {}
+
+
+def reference(p, d, ids, key, hooks=None, **sampling):
+    """full-mode output on the same D (cached per scenario)."""
+    if key not in _reference:
+        _reference[key] = run(p, d, ids, "full", hooks, **sampling)
+    return _reference[key]
+
+
+@pytest.mark.parametrize("delay", [0, 3, 30], ids=["before-any-token", "after-3-tokens", "after-the-cap"])
+def test_greedy_speculative_equals_full(engines, prompts, delay, record_property):
+    """Residual merged before any token, after a few, and after the cap (16 held, two verify passes of 8).
+    ignore_eos keeps decoding past the short answers so the cap is reached; EOS is covered below."""
+    p, d = engines
+    ids = [pr.token_ids for pr in prompts]
+    sampling = dict(max_tokens=40, ignore_eos=True, logprobs=1)
+    ref = reference(p, d, ids, "long", **sampling)
+    out = run(p, d, ids, "speculative", {"delay_residual_steps": delay}, **sampling)
+    stats = [counters(o) for o in out]
+    record_property("speculation", json.dumps(stats))
+    for o, r in zip(out, ref, strict=True):
+        assert o["token_ids"] == r["token_ids"]
+        assert o["finish_reason"] == r["finish_reason"] == "length"
+        assert len(o["logprobs"]) == len(o["token_ids"])
+    for s in stats:
+        assert s is not None and s["accepted"] + s["rejected"] == s["speculated"] <= CAP
+        if delay == 0:
+            assert s["speculated"] <= 1  # the residual lands at most one step after the anchor
+        elif delay == 3:
+            assert s["speculated"] == 3 and s["verify_passes"] == 1
+        else:
+            assert s["speculated"] == CAP and s["capped_steps"] > 0
+            assert s["verify_passes"] >= 1 + (s["accepted"] > K)
+
+
+def test_eos_and_max_tokens_during_speculation(engines, prompts):
+    """The short needle answers end in EOS while decoding on the anchor; max_tokens=5 is reached there too.
+    Stops are judged on verified tokens only: outputs and finish reasons equal full mode's."""
+    p, d = engines
+    ids = [pr.token_ids for pr in prompts]
+    ref = reference(p, d, ids, "eos", max_tokens=32)
+    out = run(p, d, ids, "speculative", {"delay_residual_steps": 40}, max_tokens=32)
+    for o, r in zip(out, ref, strict=True):
+        assert o["token_ids"] == r["token_ids"] and o["finish_reason"] == r["finish_reason"]
+    eos_held = [counters(o)["speculated"] for o, r in zip(out, ref, strict=True) if r["finish_reason"] == "stop"]
+    assert eos_held and all(0 < n <= CAP for n in eos_held)
+    ref5 = reference(p, d, ids, "max5", max_tokens=5)
+    out5 = run(p, d, ids, "speculative", {"delay_residual_steps": 12}, max_tokens=5)
+    for o, r in zip(out5, ref5, strict=True):
+        assert o["token_ids"] == r["token_ids"] and o["finish_reason"] == r["finish_reason"] == "length"
+        assert counters(o)["speculated"] == 5
+
+
+def test_corrupted_residual_is_rejected_and_corrected(engines, prompts, record_property):
+    """A residual whose bits are flipped on arrival changes the prompt KV: verification must give what full-mode
+    decoding on the same corrupted KV gives, and fewer held tokens are accepted than with a sound residual."""
+    p, d = engines
+    ids = [pr.token_ids for pr in prompts]
+    sampling = dict(max_tokens=24, ignore_eos=True)
+    bad = {"corrupt_residual": True}
+    ref_bad = run(p, d, ids, "full", bad, **sampling)
+    ref_ok = reference(p, d, ids, "corrupt-ok", **sampling)
+    assert any(a["token_ids"] != b["token_ids"] for a, b in zip(ref_bad, ref_ok, strict=True))  # KV changed
+    out = run(p, d, ids, "speculative", dict(bad, delay_residual_steps=CAP), **sampling)
+    ok = run(p, d, ids, "speculative", {"delay_residual_steps": CAP}, **sampling)
+    for o, r in zip(out, ref_bad, strict=True):
+        assert o["token_ids"] == r["token_ids"]
+    acc_bad = sum(counters(o)["accepted"] for o in out) / sum(counters(o)["speculated"] for o in out)
+    acc_ok = sum(counters(o)["accepted"] for o in ok) / sum(counters(o)["speculated"] for o in ok)
+    record_property("acceptance", json.dumps({"corrupted": acc_bad, "sound": acc_ok}))
+    assert acc_bad < acc_ok
+
+
+def test_residual_failure_fails_the_request_without_hang(engines, prompts):
+    """kv_load_failure_policy=fail (vLLM's default): a residual that fails after the request started decoding on
+    its anchor ends it with an error, nothing unverified reaches the client; the engine is clean afterwards."""
+    p, d = engines
+    ids = [prompts[0].token_ids]
+    t0 = time.monotonic()
+    out = run(p, d, ids, "speculative", {"fail_residual": True, "delay_residual_steps": 4}, max_tokens=16)
+    assert out[0]["finish_reason"] == "error" and out[0]["token_ids"] == [], out
+    assert time.monotonic() - t0 < 60
+    st = d.call(f"{PROBES}:state")
+    assert st["requests"] == [] and st["spec"] == [] and st["spec_pending"] == [] and st["worker_recvs"] == []
+
+
+def test_abort_while_speculating_releases_blocks_and_staging(engines, prompts):
+    p, d = engines
+    params = prefill(p, [prompts[1].token_ids], "speculative", {"delay_residual_steps": 1000})[0]
+    res = d.call(f"{PROBES}:abort_while_speculating", prompts[1].token_ids, params, 5)
+    assert res["held"] >= 5
+    assert all(r == [] for r in res["released"])  # nothing unverified reached the client
+    assert res["requests"] == [] and res["spec"] == [] and res["spec_pending"] == [] and res["worker_recvs"] == []
+    assert res["free_blocks"] == res["free_before"]  # blocks were held until the worker confirmed, then freed
+    assert res["staging_live"] in (0, None)
+
+
+def test_other_modes_on_a_speculative_decode_instance(engines, prompts):
+    p, d = engines
+    ids = [prompts[0].token_ids]
+    for mode in ("anchor", "int8"):
+        out = run(p, d, ids, mode, max_tokens=8)
+        assert out[0]["token_ids"] and counters(out[0]) is None
+
+
+def test_acceptance_rate_on_real_prompts(engines, prompts, record_property):
+    """Measured, not asserted against the paper's 85%: acceptance of tokens decoded on the anchor (cap 16)."""
+    p, d = engines
+    ids = [pr.token_ids for pr in prompts]
+    out = run(p, d, ids, "speculative", {"delay_residual_steps": CAP}, max_tokens=CAP + 8, ignore_eos=True)
+    spec = sum(counters(o)["speculated"] for o in out)
+    acc = sum(counters(o)["accepted"] for o in out)
+    record_property("acceptance_rate", acc / spec)
+    print(f"acceptance on {len(ids)} needle prompts: {acc}/{spec} = {acc / spec:.3f}")
+    assert spec == CAP * len(ids)
+
+
+def test_recompute_policy_after_residual_failure(model, engines, prompts):
+    """kv_load_failure_policy=recompute: the held tokens are dropped, the prompt is recomputed locally, the output
+    is the greedy output of a local prefill (P computing the same prompt itself: same kernels, same shapes)."""
+    p, _ = engines
+    ids = [prompts[0].token_ids]
+    ref = p.generate(ids, None, max_tokens=16, ignore_eos=True)
+    d2 = SpecEngine(model, dict(lynx_kv_config("full", max_speculative_tokens=CAP),
+                                kv_load_failure_policy="recompute"), cpu="1", **spec_d_config())
+    try:
+        t0 = time.monotonic()
+        out = run(p, d2, ids, "speculative", {"fail_residual": True, "delay_residual_steps": 4},
+                  max_tokens=16, ignore_eos=True)
+        assert time.monotonic() - t0 < 120
+        assert out[0]["token_ids"] == ref[0]["token_ids"]
+        st = d2.call(f"{PROBES}:state")
+        assert st["requests"] == [] and st["spec"] == [] and st["worker_recvs"] == []
+    finally:
+        d2.close()

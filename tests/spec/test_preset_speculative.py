@@ -1,0 +1,76 @@
+"""The lynx:speculative preset configures the decode instance for speculation on vLLM's real serve parser:
+scheduler class and a custom_class null proposer, unless the user gave their own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import pytest
+
+from lynx_connector.presets import NULL_PROPOSER, SPEC_SCHEDULER, preset_config, speculative_defaults
+
+
+@pytest.fixture(scope="module")
+def serve_parser() -> argparse.ArgumentParser:
+    from lynx_connector.plugin import register
+
+    register()
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+
+
+def _engine_args(parser: argparse.ArgumentParser, *argv: str) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs.from_cli_args(parser.parse_args(["model-dir", *argv]))
+
+
+def test_defaults_only_for_speculative_lynx() -> None:
+    assert speculative_defaults(preset_config("full")) is None
+    assert speculative_defaults({"kv_connector": "NixlConnector"}) is None
+    d = speculative_defaults(preset_config("speculative"))
+    assert d == {"scheduler_cls": SPEC_SCHEDULER, "speculative_config": {
+        "method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": 64}}
+    cfg = preset_config("speculative")
+    cfg["kv_connector_extra_config"]["max_speculative_tokens"] = 500
+    assert speculative_defaults(cfg)["speculative_config"]["num_speculative_tokens"] == 128  # vLLM's limit
+
+
+def test_preset_sets_scheduler_and_proposer(serve_parser: argparse.ArgumentParser) -> None:
+    ea = _engine_args(serve_parser, "--kv-transfer-config", "lynx:speculative")
+    assert ea.scheduler_cls == SPEC_SCHEDULER
+    assert ea.speculative_config == {"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": 64}
+    ea = _engine_args(serve_parser, "--kv-transfer-config.kv_connector", "lynx:speculative",
+                      "--kv-transfer-config.kv_connector_extra_config.max_speculative_tokens", "16")
+    assert ea.speculative_config["num_speculative_tokens"] == 16
+
+
+def test_other_modes_and_connectors_untouched(serve_parser: argparse.ArgumentParser) -> None:
+    from vllm.config import SchedulerConfig
+
+    for argv in (("--kv-transfer-config", "lynx"), ("--kv-transfer-config", "lynx:anchor"), ()):
+        ea = _engine_args(serve_parser, *argv)
+        assert ea.speculative_config is None and ea.scheduler_cls == SchedulerConfig.scheduler_cls
+
+
+def test_user_choices_win(serve_parser: argparse.ArgumentParser) -> None:
+    mine = {"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": 4}
+    ea = _engine_args(serve_parser, "--kv-transfer-config", "lynx:speculative", "--scheduler-cls", "my.Sched",
+                      "--speculative-config", json.dumps(mine))
+    assert ea.scheduler_cls == "my.Sched" and ea.speculative_config == mine
+    ea = _engine_args(serve_parser, "--kv-transfer-config", "lynx:speculative", "--scheduler-cls", SPEC_SCHEDULER)
+    assert ea.speculative_config is None  # partial choice: left as given (and warned about)
+
+
+def test_scheduler_class_resolves(serve_parser: argparse.ArgumentParser) -> None:
+    """vLLM resolves the filled-in scheduler class the way it does at engine start."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from lynx_connector.spec.scheduler import LynxSpecScheduler
+
+    ea = _engine_args(serve_parser, "--kv-transfer-config", "lynx:speculative")
+    assert resolve_obj_by_qualname(ea.scheduler_cls) is LynxSpecScheduler
