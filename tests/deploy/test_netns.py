@@ -1,0 +1,120 @@
+"""lynx_connector.netns itself: namespaces and links appear and disappear (also after a failure half-way), tc
+shaping and loss do what they say, `entered` returns the thread to its namespace, stale namespaces are swept.
+Plain sockets only (no NIXL): a few seconds."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from lynx_connector import netns
+
+_ok, _why = netns.available()
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(not _ok, reason=f"network namespaces: {_why}"),
+              pytest.mark.timeout(120)]
+
+
+def _netns_inode() -> int:
+    return os.stat("/proc/thread-self/ns/net").st_ino
+
+
+def test_topology_created_and_destroyed_even_on_error() -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        with netns.Topology() as topo:
+            p, d = topo.add_namespace("p"), topo.add_namespace("d")
+            link = topo.add_link(p, d)
+            assert {p, d} <= set(netns.list_namespaces())
+            assert (link.addr_a, link.addr_b) == netns.Topology.link_addrs(1) == ("10.213.1.1", "10.213.1.2")
+            assert link.end(d) == ("to-p", "10.213.1.2") and link.peer_addr(p) == "10.213.1.2"
+            raise RuntimeError("boom")
+    assert not {p, d} & set(netns.list_namespaces())
+
+
+def test_bad_input_rejected_and_nothing_leaks() -> None:
+    with netns.Topology() as topo:
+        p = topo.add_namespace("p")
+        with pytest.raises(ValueError):
+            topo.add_namespace("Bad_Role")
+        with pytest.raises(ValueError):
+            topo.add_link(p, "not-mine")
+        with pytest.raises(netns.NetnsError):
+            topo.shape(p, "no-such-dev", 100)
+        with pytest.raises(ValueError):
+            topo.set_loss(p, "lo", 0.0)
+    assert p not in netns.list_namespaces()
+
+
+def test_entered_switches_only_the_calling_thread_and_returns() -> None:
+    root = _netns_inode()
+    seen: dict[str, int] = {}
+    with netns.Topology() as topo:
+        p = topo.add_namespace("p")
+        with netns.entered(p):
+            inside = _netns_inode()
+            t = threading.Thread(target=lambda: seen.setdefault("other", _netns_inode()))
+            t.start()
+            t.join()
+        assert _netns_inode() == root and inside != root
+        assert seen["other"] == inside  # a thread started inside stays inside
+    assert _netns_inode() == root
+
+
+def _serve_and_send(topo: netns.Topology, link: netns.Link, nbytes: int) -> float:
+    """Receiver in ns b, sender in ns a (threads that entered the namespaces); seconds to deliver nbytes."""
+    with netns.entered(link.ns_b):
+        srv = socket.create_server((link.addr_b, 0))
+    port, got = srv.getsockname()[1], {}
+
+    def recv() -> None:
+        conn, _ = srv.accept()
+        n = 0
+        while chunk := conn.recv(1 << 20):
+            n += len(chunk)
+        got["n"], got["t"] = n, time.monotonic()
+        conn.close()
+
+    rt = threading.Thread(target=recv)
+    rt.start()
+    with netns.entered(link.ns_a):
+        cli = socket.create_connection((link.addr_b, port), timeout=30)
+    t0 = time.monotonic()
+    cli.sendall(b"\0" * nbytes)
+    cli.close()
+    rt.join(60)
+    srv.close()
+    assert got.get("n") == nbytes
+    return got["t"] - t0
+
+
+def test_tbf_rate_and_random_loss_on_a_real_link() -> None:
+    with netns.Topology() as topo:
+        p, d = topo.add_namespace("p"), topo.add_namespace("d")
+        link = topo.add_link(p, d)
+        topo.shape(p, link.dev_a, 80)  # 10 MB/s
+        secs = _serve_and_send(topo, link, 5_000_000)
+        assert 0.4 <= secs <= 1.0, secs  # ~0.5 s at 10 MB/s (TCP ramp-up and the box's load on top)
+        topo.set_loss(p, link.dev_a, 0.05)
+        before = topo.counters(p, link.dev_a)
+        _serve_and_send(topo, link, 2_000_000)  # TCP retransmits: all bytes still arrive
+        drops = sum(int(q.get("drops", 0)) for q in topo.qdisc_stats(p, link.dev_a))
+        sent = topo.counters(p, link.dev_a)["tx_packets"] - before["tx_packets"]
+        assert drops > 0 and drops < 0.2 * (sent + drops), (drops, sent)
+        topo.blackhole(p, link.dev_a)
+        with netns.entered(p), pytest.raises(OSError):
+            socket.create_connection((link.addr_b, 9), timeout=1.0)
+        topo.blackhole(p, link.dev_a, on=False)
+
+
+def test_cleanup_stale_removes_namespaces_of_dead_creators() -> None:
+    code = ("from lynx_connector import netns; t = netns.Topology(); print(t.add_namespace('z'))")
+    name = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          timeout=60).stdout.strip().splitlines()[-1]
+    assert name in netns.list_namespaces()  # its creator exited without destroy()
+    removed = netns.cleanup_stale()
+    assert name in removed and name not in netns.list_namespaces()
