@@ -164,21 +164,17 @@ class Engine:
 
 
 def speculative_overrides() -> tuple[dict[str, Any] | None, str]:
-    """Engine arguments that turn D's speculative mode on, from ``lynx_connector.spec`` when it provides them."""
-    import importlib
-
+    """Engine arguments that turn D's speculative mode on (the Lynx scheduler and the null proposer that
+    switches vLLM's verification on), when this checkout has ``lynx_connector.spec``."""
     try:
-        spec = importlib.import_module("lynx_connector.spec")
-    except ModuleNotFoundError:
-        return None, "lynx_connector.spec is not part of this checkout"
-    for name in ("engine_overrides", "engine_kwargs", "decode_engine_kwargs"):
-        fn = getattr(spec, name, None)
-        if callable(fn):
-            try:
-                return dict(fn()), f"lynx_connector.spec.{name}()"
-            except Exception as exc:  # the speculative mode is optional here: report, do not fail the bench
-                return None, f"lynx_connector.spec.{name}() failed: {exc}"
-    return None, "lynx_connector.spec provides no engine arguments for an offline D"
+        from lynx_connector.spec.proposer import NULL_PROPOSER
+        from lynx_connector.spec.scheduler import SPEC_SCHEDULER
+    except ImportError as exc:
+        return None, f"lynx_connector.spec is not usable here ({exc})"
+    k = 16
+    return ({"scheduler_cls": SPEC_SCHEDULER,
+             "speculative_config": {"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": k}},
+            f"D runs {SPEC_SCHEDULER} with {k} verification slots per pass")
 
 
 # ---- the benchmark --------------------------------------------------------------------------------------------
@@ -211,7 +207,7 @@ def run_mode(p: Engine, d: Engine, mode: str, needles: list[Any], windows: list[
     if windows:
         full = [c + x for c, x in windows]
         outs = d.generate(full, params[nk:], score_from=[len(c) + 1 for c in contexts], max_tokens=1,
-                          prompt_logprobs=0, skip_reading_prefix_cache=False)
+                          prompt_logprobs=0, skip_reading_prefix_cache=False, detokenize=False)
         scored = [o["scored_logprobs"] for o in outs]
         cached = [o["num_cached_tokens"] for o in outs]
         for c, n_cached in zip(contexts, cached, strict=True):
@@ -277,6 +273,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "bf16" in modes:  # the reference goes first
         modes.remove("bf16")
         modes.insert(0, "bf16")
+    if "speculative" in modes:  # last: it needs a D of its own
+        modes.remove("speculative")
+        modes.append("speculative")
     lengths = [int(x) for x in (args.lengths or ("1024" if quick else "1024,2048")).split(",")]
     depths = [float(x) for x in (args.depths or ("0.5" if quick else "0.1,0.3,0.5,0.7,0.9")).split(",")]
     n_windows = args.windows if args.windows is not None else (1 if quick else 8)
@@ -298,16 +297,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         p = Engine(model, kv_config(), cpu="0")
         started.append(p)
-        d = Engine(model, kv_config(), cpu="1" if (os.cpu_count() or 1) > 1 else "0", **(spec_kw or {}))
+        d_cpu = "1" if (os.cpu_count() or 1) > 1 else "0"
+        d = Engine(model, kv_config(), cpu=d_cpu)
         started.append(d)
         _write(f"engines ready after {time.perf_counter() - t0:.0f} s")
         for i, mode in enumerate(modes):
-            if mode == "speculative" and spec_kw is None:
-                results[mode] = {"available": False, "note": spec_note}
-                _write(f"[{i + 1}/{len(modes)}] speculative: NOT AVAILABLE ({spec_note})")
-                continue
-            raw[mode] = run_mode(p, d, mode, needles, windows, args.gen_tokens)
+            if mode == "speculative":
+                if spec_kw is None:
+                    results[mode] = {"available": False, "note": spec_note}
+                    _write(f"[{i + 1}/{len(modes)}] speculative: NOT AVAILABLE ({spec_note})")
+                    continue
+                # A D of its own (the Lynx scheduler + verification machinery); perplexity is teacher-forced
+                # scoring of the prompt, where nothing is speculated, so only needles and greedy agreement.
+                d.close()
+                started.remove(d)
+                d = Engine(model, kv_config(), cpu=d_cpu, **spec_kw)
+                started.append(d)
+                raw[mode] = run_mode(p, d, mode, needles, [], args.gen_tokens)
+            else:
+                raw[mode] = run_mode(p, d, mode, needles, windows, args.gen_tokens)
             results[mode] = summarize(mode, raw[mode], raw.get("bf16") if mode != "bf16" else None)
+            if mode == "speculative":
+                results[mode]["perplexity_note"] = "not measured: prompt scoring is teacher-forced (no speculation)"
             r = results[mode]
             ppl = (r.get("perplexity") or {}).get("ppl")
             _write(f"[{i + 1}/{len(modes)}] {mode:<11} needle {r['needle']['correct']}/{r['needle']['n']}, "

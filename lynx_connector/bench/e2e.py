@@ -161,11 +161,14 @@ def _write(line: str = "") -> None:
     sys.stdout.flush()
 
 
+REQUEST_TIMEOUT_S = 300.0  # a silent server fails the request instead of hanging the benchmark
+
+
 def _one_request(url: str, model: str, prompt: Any, mode: str, max_tokens: int) -> dict[str, Any]:
     from lynx_connector.client import stream_completion
     from lynx_connector.data import needle_found
 
-    res = stream_completion(url, model, prompt.token_ids, max_tokens=max_tokens,
+    res = stream_completion(url, model, prompt.token_ids, max_tokens=max_tokens, timeout=REQUEST_TIMEOUT_S,
                             kv_transfer_params={"lynx_mode": mode}, extra={"ignore_eos": True})
     return {"mode": mode, "prompt_tokens": len(prompt.token_ids), "seed": prompt.seed, "depth": prompt.depth,
             "ttft_s": res.ttft, "tt32_s": res.time_to_token(32), "tt64_s": res.time_to_token(64),
@@ -472,7 +475,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             startup = time.perf_counter() - t_dep if i > 0 else dep.startup_s
             warm = prompts[all_lengths[0]][0]
             for m in ("full", "bf16"):  # first requests pay one-time costs (allocation, NIXL handshake)
-                _one_request(dep.url, model, warm, m, 4)
+                w = _one_request(dep.url, model, warm, m, 4)
+                if w["error"] or w["tokens"] == 0:
+                    raise RuntimeError(f"warm-up request ({m}) failed on link {label}: {w['error']}; D's log "
+                                       f"{dep.decode.log_path}:\n{dep.decode.log_tail(8)}")
             if i == 0 and "speculative" in modes:
                 if spec_args:
                     spec_available, spec_note = detect_speculative(dep, model, warm, dep.decode.log_path)
