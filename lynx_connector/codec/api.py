@@ -1,9 +1,12 @@
 """The codec contract over vLLM's paged KV (docs/ARCHITECTURE.md): encode on P, decode_anchor and
 merge_residual on D, each on one layer of one request, by block ids (in any order, as vLLM allocated them).
 
-On CPU the torch twins run: gather the listed blocks with one ``index_select``, quantize token-major, and
-scatter with one ``index_copy_`` (the last, partial block is read-modified-written so rows >= num_tokens keep
-their bytes). With ``impl="triton"`` (default on CUDA tensors) the Lynx kernels address the cache directly.
+``impl`` picks the implementation: ``"triton"`` (default on CUDA tensors) and ``"numba"`` (default on CPU when
+numba is importable and the codec is a token/channel group codec) address the cache directly; ``"torch"`` runs
+the twins, which define the format: gather the listed blocks with one ``index_select``, quantize token-major,
+and scatter with one ``index_copy_`` (the last, partial block is read-modified-written so rows >= num_tokens
+keep their bytes). The numba kernels are bit-exact with the twins and hand over to them when they cannot be
+(non-finite input, values beyond the fp16 metadata range, signed-zero ties): errors always come from the twins.
 """
 
 from __future__ import annotations
@@ -13,9 +16,24 @@ import torch
 from .base import Codec, check_plane
 from .layout import BlockIds, KVLayout
 
+IMPLS = ("auto", "torch", "triton", "numba")
+
+
+def _use_numba(codec: Codec, kv_layer: torch.Tensor, layout: KVLayout, impl: str) -> bool:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+    if impl not in ("auto", "numba"):
+        return False
+    from .numba_path import supports_numba
+
+    ok = supports_numba(codec, kv_layer, layout)
+    if impl == "numba" and not ok:
+        raise ValueError(f"codec {codec!r} cannot run on the numba kernels here (numba missing, or unsupported)")
+    return ok
+
 
 def _use_triton(codec: Codec, kv_layer: torch.Tensor, impl: str) -> bool:
-    if impl == "torch":
+    if impl in ("torch", "numba"):
         return False
     from .triton_path import supports_triton
 
@@ -47,6 +65,11 @@ def encode(
 
         encode_triton(codec, kv_layer, block_ids, layout, num_tokens, anchor_out, residual_out, layer_name)
         return
+    if _use_numba(codec, kv_layer, layout, impl):
+        from .numba_path import encode_numba
+
+        if encode_numba(codec, kv_layer, block_ids, layout, num_tokens, anchor_out, residual_out):
+            return
     k, v = layout.gather(kv_layer, block_ids, num_tokens)
     codec.encode_tokens(k, v, anchor_out, residual_out, layer_name)
 
@@ -108,6 +131,11 @@ def _decode(
         from .triton_path import decode_triton
 
         decode_triton(codec, anchor, residual, kv_layer, block_ids, layout, num_tokens)
+        return
+    if _use_numba(codec, kv_layer, layout, impl):
+        from .numba_path import decode_numba
+
+        decode_numba(codec, anchor, residual, kv_layer, block_ids, layout, num_tokens, skip)
         return
     k, v = codec.decode_tokens(anchor, residual, num_tokens, h, d, layout.dtype)
     if skip:  # groups may span blocks, so decode everything and write only the blocks after the skipped ones

@@ -1,0 +1,129 @@
+"""Dispatch of the contract functions to the numba CPU kernels (``kernels/groupquant_numba``).
+
+An optional fast path: numba ships with vLLM but is not a dependency of this package; without it (or with
+``LYNX_CODEC_NUMBA=0``) the torch twins run. The kernels cover the group codecs with token/channel groups (Lynx,
+int4, int4_kivi, int8) on every layout and cache dtype; Hadamard groups and the fp8/bf16 baselines stay on torch.
+When a kernel cannot guarantee the twin's exact answer (non-finite input, values beyond the fp16 metadata range,
+signed-zero ties) it declines and the caller runs the twin, which then decides (and raises where it should).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import Codec, check_plane
+from .groupquant import GroupQuantCodec
+from .layout import BlockIds, KVLayout, TileAddr
+
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@lru_cache(maxsize=1)
+def numba_kernels() -> Any:
+    """The kernel module, or None when numba is missing or disabled with ``LYNX_CODEC_NUMBA=0``."""
+    if os.environ.get("LYNX_CODEC_NUMBA", "1") == "0":
+        return None
+    try:
+        from lynx_connector.kernels import groupquant_numba
+    except Exception:  # numba absent or broken: the torch twins are the CPU path
+        return None
+    return groupquant_numba
+
+
+def supports_numba(codec: Codec, kv_layer: torch.Tensor, layout: KVLayout) -> bool:
+    """True when the numba kernels can run ``codec`` on this cache tensor."""
+    if not isinstance(codec, GroupQuantCodec) or kv_layer.device.type != "cpu" or kv_layer.dtype not in _KINDS:
+        return False
+    if layout.backend == "cpu" and kv_layer.dim() == 4 and kv_layer.stride()[2:] != (2 * layout.head_size, 1):
+        return False
+    if any(g not in ("token", "channel") for g in (codec.k_group, codec.v_group)):
+        return False
+    if any(s <= 0 for s in kv_layer.stride()):
+        return False
+    return numba_kernels() is not None
+
+
+def _flat(kv_layer: torch.Tensor) -> np.ndarray:
+    """The cache's storage from its first element, as unsigned bits (uint32 for fp32, uint16 otherwise)."""
+    span = 1 + sum((n - 1) * s for n, s in zip(kv_layer.shape, kv_layer.stride(), strict=True))
+    flat = kv_layer.detach().as_strided((span,), (1,))
+    if kv_layer.dtype == torch.float32:
+        return flat.view(torch.int32).numpy().view(np.uint32)
+    return flat.view(torch.int16).numpy().view(np.uint16)
+
+
+@lru_cache(maxsize=64)
+def _tables(a: TileAddr, block_size: int, head_size: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(off_t[BS], off_d[D], d contiguous): the tile_addr formula of K or V tabulated per block row and dim."""
+    u = np.arange(block_size, dtype=np.int64)
+    d = np.arange(head_size, dtype=np.int64)
+    off_t = (u // a.pt) * a.s_t1 + (u % a.pt) * a.s_t0
+    off_d = (d // a.pd) * a.s_d1 + (d % a.pd) * a.s_d0
+    return off_t, off_d, bool(np.array_equal(off_d, d))
+
+
+def _u16(x: torch.Tensor) -> np.ndarray:
+    return x.view(torch.int16).numpy().view(np.uint16)
+
+
+_EMPTY = np.empty(0, np.uint8)
+
+
+def _run(codec: GroupQuantCodec, kv_layer: torch.Tensor, block_ids: BlockIds, layout: KVLayout, num_tokens: int,
+         anchor: torch.Tensor, residual: torch.Tensor | None, skip: int | None) -> bool:
+    """Encode (``skip is None``) or decode rows >= skip; False when a kernel declined."""
+    kernels = numba_kernels()
+    t, h, d = num_tokens, layout.num_heads, layout.head_size
+    ids = layout._check(kv_layer, block_ids, t).numpy()
+    na, nr = codec.plane_nbytes(t, h, d, layout.dtype)
+    anchor = check_plane(anchor, na, "anchor")
+    if residual is not None:
+        residual = check_plane(residual, nr, "residual")
+    nk = codec._tensor_nbytes(codec.k_group, codec.k_tokens, t, h, d)
+    half = t * h * d // 2
+    flat = _flat(kv_layer)
+    kind_code = _KINDS[layout.dtype]
+    parts = ((codec.k_group, codec.k_tokens, anchor[:nk]), (codec.v_group, codec.v_tokens, anchor[nk:]))
+    for i, (kind, (group, g, abuf)) in enumerate(zip("kv", parts, strict=True)):
+        addr = layout.tile_addr(kv_layer, kind)  # type: ignore[arg-type]
+        off_t, off_d, contig = _tables(addr, layout.block_size, d)
+        tile_base = ids * addr.s_block + addr.base
+        s_head = addr.s_head
+        codes, scale, mn = codec._split(abuf, group, g, t, h, d)
+        res = _EMPTY if residual is None else residual[i * half:(i + 1) * half].numpy()
+        channel = group == "channel"
+        if kind_code == 0 and skip is not None:  # fp32 decode: the fused kernel
+            kernels.decode_f32(flat.view(np.float32), tile_base, s_head, off_t, off_d, layout.block_size, t, h, skip,
+                               channel, g, codec.bits == 4, residual is not None, codes.numpy(), _u16(scale),
+                               _u16(mn), res)
+            continue
+        common = (flat, kind_code, tile_base, s_head, off_t, off_d, contig, layout.block_size, t, h)
+        if skip is None:
+            status = kernels.encode_tensor(*common, channel, g, codec.levels, codec.bits == 4, residual is not None,
+                                           codes.numpy(), _u16(scale), _u16(mn), res)
+        else:
+            status = kernels.decode_tensor(*common, skip, channel, g, codec.bits == 4, residual is not None,
+                                           codes.numpy(), _u16(scale), _u16(mn), res)
+        if status != kernels.OK:
+            return False
+    return True
+
+
+def encode_numba(codec: Codec, kv_layer: torch.Tensor, block_ids: BlockIds, layout: KVLayout, num_tokens: int,
+                 anchor_out: torch.Tensor, residual_out: torch.Tensor | None) -> bool:
+    """Encode straight from the paged cache; False (planes unspecified) when the torch twin must decide."""
+    assert isinstance(codec, GroupQuantCodec)
+    return _run(codec, kv_layer, block_ids, layout, num_tokens, anchor_out,
+                residual_out if codec.two_stream else None, None)
+
+
+def decode_numba(codec: Codec, anchor: torch.Tensor, residual: torch.Tensor | None, kv_layer: torch.Tensor,
+                 block_ids: BlockIds, layout: KVLayout, num_tokens: int, skip_tokens: int = 0) -> None:
+    """Write anchor (or, with ``residual``, full) values of rows ``skip_tokens <= t < num_tokens`` into the cache."""
+    assert isinstance(codec, GroupQuantCodec)
+    _run(codec, kv_layer, block_ids, layout, num_tokens, anchor, residual, skip_tokens)
