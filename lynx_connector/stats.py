@@ -88,6 +88,7 @@ class LynxStats(KVConnectorStats):
             drafted, accepted = sum(d["spec_drafted"]), sum(d["spec_accepted"])
             out["Speculated tokens"] = drafted
             out["Accepted tokens"] = accepted
+            out["Rejected tokens"] = drafted - accepted
             out["Acceptance rate"] = round(accepted / drafted, 4) if drafted else 0.0
         return out
 
@@ -109,7 +110,8 @@ class LynxPromMetrics(KVConnectorPromMetrics):
                                          documentation="KV pulls or stagings that failed.",
                                          labelnames=labelnames)
         self._spec = self._counter_cls(name="vllm:lynx_speculative_tokens",
-                                       documentation="Tokens decoded on the anchor (drafted) and accepted.",
+                                       documentation="Tokens decoded on the anchor (drafted), accepted and "
+                                                     "rejected by verification.",
                                        labelnames=labelnames + ["outcome"])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -126,4 +128,6 @@ class LynxPromMetrics(KVConnectorPromMetrics):
         drafted = sum(transfer_stats_data.get("spec_drafted", []))
         if drafted:
             self._spec.labels(*labels, "drafted").inc(drafted)
-            self._spec.labels(*labels, "accepted").inc(sum(transfer_stats_data.get("spec_accepted", [])))
+            accepted = sum(transfer_stats_data.get("spec_accepted", []))
+            self._spec.labels(*labels, "accepted").inc(accepted)
+            self._spec.labels(*labels, "rejected").inc(drafted - accepted)
