@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -202,6 +203,8 @@ class Plan:
     cache_dtype: str = "float32"
     max_model_len: int = MAX_MODEL_LEN
     serve_args: tuple[str, ...] = ()
+    p_cpus: str | None = None
+    d_cpus: str | None = None
 
 
 class Progress:
@@ -350,6 +353,7 @@ def start_deployment(model: str, log_dir: Path, gbps: float | None, spec_args: l
     dep = Deployment(model, log_dir / "rate0", kv_transfer_config=kv_config(gbps), max_model_len=plan.max_model_len,
                      extra_serve_args=list(plan.serve_args))
     dep.decode.argv = dep.decode.argv + spec_args
+    pin(dep, plan)
     dep.spec_failed = None
     _write(f"== starting P, D and proxy (link {'unpaced' if gbps is None else f'{gbps:g} Gbit/s'}); "
            "a minute or more on a busy 2-core machine")
@@ -364,10 +368,20 @@ def start_deployment(model: str, log_dir: Path, gbps: float | None, spec_args: l
         dep = Deployment(model, log_dir / "rate0-nospec", kv_transfer_config=kv_config(gbps),
                          max_model_len=plan.max_model_len, extra_serve_args=list(plan.serve_args))
         dep.spec_failed = f"D failed to start with the speculative scheduler: {tail[-300:]}"
+        pin(dep, plan)
         dep.__enter__()
     dep.startup_s = time.perf_counter() - t0
     _write(f"  ready after {dep.startup_s:.0f} s")
     return dep
+
+
+def pin(dep: Any, plan: Plan) -> None:
+    """Disjoint cores for P and D (the CPU backend's OpenMP binding), as on separate machines: without it
+    both servers bind their threads to every core and starve each other's transfer threads."""
+    if plan.p_cpus:
+        dep.prefill.env["VLLM_CPU_OMP_THREADS_BIND"] = plan.p_cpus
+    if plan.d_cpus:
+        dep.decode.env["VLLM_CPU_OMP_THREADS_BIND"] = plan.d_cpus
 
 
 def restart_decode(dep: Any, model: str, gbps: float | None, spec_args: list[str], log_path: Path, plan: Plan,
@@ -430,8 +444,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     max_len = args.max_model_len or MAX_MODEL_LEN
     if max(lengths + [conc_length]) + 128 + args.max_tokens > max_len:
         raise SystemExit(f"prompts plus {args.max_tokens} tokens must fit max_model_len {max_len}")
+    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    p_cpus = args.p_cpus if args.p_cpus is not None else ("0" if ncpu >= 2 else None)
+    d_cpus = args.d_cpus if args.d_cpus is not None else ("1" if ncpu >= 2 else None)
     plan = Plan(modes, lengths, repeats, conc, conc_length, args.max_tokens, args.cache_dtype, max_len,
-                tuple(shlex.split(args.serve_args or "")))
+                tuple(shlex.split(args.serve_args or "")), p_cpus or None, d_cpus or None)
     model = args.model or str(prepare())
     shape = model_shape(model)
     tok = AutoTokenizer.from_pretrained(model)
@@ -527,7 +544,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {"modes": modes, "lengths": lengths, "repeats": repeats, "concurrency": conc,
                    "conc_length": conc_length, "max_tokens": args.max_tokens, "ratios": ratios,
                    "ref_tokens": ref_tokens, "explicit_link_gbps": explicit, "ignore_eos": True,
-                   "temperature": 0.0, "max_model_len": max_len, "serve_args": list(plan.serve_args)},
+                   "temperature": 0.0, "max_model_len": max_len, "serve_args": list(plan.serve_args),
+                   "p_cpus": plan.p_cpus, "d_cpus": plan.d_cpus},
         "speculative": {"available": spec_available, "note": spec_note},
         "calibration_prefill_s": calib_prefill,
         "deployments": deployments, "rows": rows, "requests": requests,
@@ -622,6 +640,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--serve-args", default=None, help="extra `lynx serve` arguments for P and D, one string; "
                    "later values override the CPU defaults (e.g. '--dtype bfloat16 --gpu-memory-utilization 0.4')")
     p.add_argument("--max-model-len", type=int, default=None, help=f"servers' max model length ({MAX_MODEL_LEN})")
+    p.add_argument("--p-cpus", default=None, help="P's VLLM_CPU_OMP_THREADS_BIND (default 0 on >= 2 cores; "
+                   "'' = unpinned)")
+    p.add_argument("--d-cpus", default=None, help="D's VLLM_CPU_OMP_THREADS_BIND (default 1 on >= 2 cores)")
     p.add_argument("--cache-dtype", default="float32", choices=CACHE_DTYPES,
                    help="KV cache dtype of the servers (bytes on the wire are computed for it)")
     p.add_argument("--out", default=None, help="write JSON here (plus .md and PNG plots beside it)")
