@@ -231,14 +231,13 @@ class LynxConnectorScheduler:
             self._recv_inflight.discard(req_id)
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, LynxWorkerMeta):
-            merged = meta.residual_merged & self.spec_pending
-            self.residual_merged |= merged
-            self.spec_pending -= merged
+            self.residual_merged |= meta.residual_merged
+            self.spec_pending -= meta.residual_merged
         if isinstance(meta, SpecWorkerMeta):
             failed = meta.residual_failed & self.spec_pending
             self.residual_failed |= failed
             self.spec_pending -= failed
-        for req_id in connector_output.failed_recving or ():
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
             self.spec_pending.discard(req_id)  # failed before the anchor: vLLM's own failure path applies
 
     # ---- end of a request ---------------------------------------------------------------------------------

@@ -87,6 +87,8 @@ def counters(out):
 
 
 _reference: dict = {}
+_spec_runs: dict = {}
+LONG = dict(max_tokens=CAP + 6, ignore_eos=True, logprobs=1)
 
 
 def reference(p, d, ids, key, hooks=None, **sampling):
@@ -96,15 +98,14 @@ def reference(p, d, ids, key, hooks=None, **sampling):
     return _reference[key]
 
 
-@pytest.mark.parametrize("delay", [0, 3, 30], ids=["before-any-token", "after-3-tokens", "after-the-cap"])
+@pytest.mark.parametrize("delay", [0, 3, CAP + 4], ids=["before-any-token", "after-3-tokens", "after-the-cap"])
 def test_greedy_speculative_equals_full(engines, prompts, delay, record_property):
     """Residual merged before any token, after a few, and after the cap (16 held, two verify passes of 8).
     ignore_eos keeps decoding past the short answers so the cap is reached; EOS is covered below."""
     p, d = engines
     ids = [pr.token_ids for pr in prompts]
-    sampling = dict(max_tokens=40, ignore_eos=True, logprobs=1)
-    ref = reference(p, d, ids, "long", **sampling)
-    out = run(p, d, ids, "speculative", {"delay_residual_steps": delay}, **sampling)
+    ref = reference(p, d, ids, "long", **LONG)
+    out = _spec_runs[delay] = run(p, d, ids, "speculative", {"delay_residual_steps": delay}, **LONG)
     stats = [counters(o) for o in out]
     record_property("speculation", json.dumps(stats))
     for o, r in zip(out, ref, strict=True):
@@ -133,10 +134,10 @@ def test_eos_and_max_tokens_during_speculation(engines, prompts):
         assert o["token_ids"] == r["token_ids"] and o["finish_reason"] == r["finish_reason"]
     eos_held = [counters(o)["speculated"] for o, r in zip(out, ref, strict=True) if r["finish_reason"] == "stop"]
     assert eos_held and all(0 < n <= CAP for n in eos_held)
-    ref5 = reference(p, d, ids, "max5", max_tokens=5)
     out5 = run(p, d, ids, "speculative", {"delay_residual_steps": 12}, max_tokens=5)
-    for o, r in zip(out5, ref5, strict=True):
-        assert o["token_ids"] == r["token_ids"] and o["finish_reason"] == r["finish_reason"] == "length"
+    for o, r in zip(out5, ref, strict=True):  # greedy: full mode with max_tokens=5 is the prefix of 5
+        assert len(r["token_ids"]) > 5
+        assert o["token_ids"] == r["token_ids"][:5] and o["finish_reason"] == "length"
         assert counters(o)["speculated"] == 5
 
 
@@ -144,8 +145,8 @@ def test_corrupted_residual_is_rejected_and_corrected(engines, prompts, record_p
     """A residual whose bits are flipped on arrival changes the prompt KV: verification must give what full-mode
     decoding on the same corrupted KV gives, and fewer held tokens are accepted than with a sound residual."""
     p, d = engines
-    ids = [pr.token_ids for pr in prompts]
-    sampling = dict(max_tokens=24, ignore_eos=True)
+    ids = [pr.token_ids for pr in prompts[:2]]
+    sampling = dict(max_tokens=CAP + 4, ignore_eos=True)
     bad = {"corrupt_residual": True}
     ref_bad = run(p, d, ids, "full", bad, **sampling)
     ref_ok = reference(p, d, ids, "corrupt-ok", **sampling)
@@ -196,7 +197,7 @@ def test_acceptance_rate_on_real_prompts(engines, prompts, record_property):
     """Measured, not asserted against the paper's 85%: acceptance of tokens decoded on the anchor (cap 16)."""
     p, d = engines
     ids = [pr.token_ids for pr in prompts]
-    out = run(p, d, ids, "speculative", {"delay_residual_steps": CAP}, max_tokens=CAP + 8, ignore_eos=True)
+    out = _spec_runs.get(CAP + 4) or run(p, d, ids, "speculative", {"delay_residual_steps": CAP + 4}, **LONG)
     spec = sum(counters(o)["speculated"] for o in out)
     acc = sum(counters(o)["accepted"] for o in out)
     record_property("acceptance_rate", acc / spec)
