@@ -33,7 +33,7 @@ def _use_numba(codec: Codec, kv_layer: torch.Tensor, layout: KVLayout, impl: str
 
 
 def _use_triton(codec: Codec, kv_layer: torch.Tensor, impl: str) -> bool:
-    if impl in ("torch", "numba"):
+    if impl in ("torch", "numba") or (impl == "auto" and not kv_layer.is_cuda):
         return False
     from .triton_path import supports_triton
 

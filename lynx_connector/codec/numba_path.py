@@ -67,10 +67,6 @@ def _tables(a: TileAddr, block_size: int, head_size: int) -> tuple[np.ndarray, n
     return off_t, off_d, bool(np.array_equal(off_d, d))
 
 
-def _u16(x: torch.Tensor) -> np.ndarray:
-    return x.view(torch.int16).numpy().view(np.uint16)
-
-
 _EMPTY = np.empty(0, np.uint8)
 
 
@@ -84,31 +80,34 @@ def _run(codec: GroupQuantCodec, kv_layer: torch.Tensor, block_ids: BlockIds, la
     anchor = check_plane(anchor, na, "anchor")
     if residual is not None:
         residual = check_plane(residual, nr, "residual")
+    # plane views sliced in numpy: a torch slice/view costs microseconds, which adds up per layer and tensor
+    a_np = anchor.numpy()
+    r_np = None if residual is None else residual.numpy()
     nk = codec._tensor_nbytes(codec.k_group, codec.k_tokens, t, h, d)
     half = t * h * d // 2
     flat = _flat(kv_layer)
     kind_code = _KINDS[layout.dtype]
-    parts = ((codec.k_group, codec.k_tokens, anchor[:nk]), (codec.v_group, codec.v_tokens, anchor[nk:]))
+    parts = ((codec.k_group, codec.k_tokens, a_np[:nk]), (codec.v_group, codec.v_tokens, a_np[nk:]))
     for i, (kind, (group, g, abuf)) in enumerate(zip("kv", parts, strict=True)):
         addr = layout.tile_addr(kv_layer, kind)  # type: ignore[arg-type]
         off_t, off_d, contig = _tables(addr, layout.block_size, d)
         tile_base = ids * addr.s_block + addr.base
         s_head = addr.s_head
-        codes, scale, mn = codec._split(abuf, group, g, t, h, d)
-        res = _EMPTY if residual is None else residual[i * half:(i + 1) * half].numpy()
+        nc, ng = codec._codes_nbytes(t, h, d), codec._meta_groups(group, g, t, h, d)
+        codes, scale, mn = abuf[:nc], abuf[nc:nc + 2 * ng].view(np.uint16), abuf[nc + 2 * ng:nc + 4 * ng].view(np.uint16)
+        res = _EMPTY if r_np is None else r_np[i * half:(i + 1) * half]
         channel = group == "channel"
         if kind_code == 0 and skip is not None:  # fp32 decode: the fused kernel
             kernels.decode_f32(flat.view(np.float32), tile_base, s_head, off_t, off_d, layout.block_size, t, h, skip,
-                               channel, g, codec.bits == 4, residual is not None, codes.numpy(), _u16(scale),
-                               _u16(mn), res)
+                               channel, g, codec.bits == 4, residual is not None, codes, scale, mn, res)
             continue
         common = (flat, kind_code, tile_base, s_head, off_t, off_d, contig, layout.block_size, t, h)
         if skip is None:
             status = kernels.encode_tensor(*common, channel, g, codec.levels, codec.bits == 4, residual is not None,
-                                           codes.numpy(), _u16(scale), _u16(mn), res)
+                                           codes, scale, mn, res)
         else:
             status = kernels.decode_tensor(*common, skip, channel, g, codec.bits == 4, residual is not None,
-                                           codes.numpy(), _u16(scale), _u16(mn), res)
+                                           codes, scale, mn, res)
         if status != kernels.OK:
             return False
     return True
