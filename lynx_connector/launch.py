@@ -136,6 +136,18 @@ def serve_argv(model: str, port: int, kv_transfer_config: str, *, max_model_len:
 SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
               "PYTHONHASHSEED": "0"}
 
+def cpu_binding(role: str) -> dict[str, str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for P (first half of the cores) or D (second half), unless the caller set
+    it: vLLM binds every CPU worker's compute threads to core 0 by default; P and D get cores of their own,
+    as they would have separate machines (or GPUs) in production."""
+    n = os.cpu_count() or 1
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or n < 2:
+        return {}
+    if role == "prefill":
+        return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{n // 2 - 1}" if n >= 4 else "0"}
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"{n // 2}-{n - 1}" if n >= 4 else "1"}
+
+
 #: Fixed ports in netns mode (each server has its namespace to itself).
 NETNS_PORTS = {"prefill": 8100, "decode": 8200, "proxy": 8000}
 
@@ -214,12 +226,8 @@ class Deployment:
         p_port, d_port, x_port = free_port(), free_port(), free_port()
         env = dict(SERVER_ENV)
         p_env, d_env = dict(env), dict(env)
-        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and (os.cpu_count() or 1) >= 2:
-            # vLLM binds every CPU worker's compute threads to core 0 by default: give P and D a core each,
-            # as they would have separate machines (or GPUs) in production.
-            n = os.cpu_count() or 2
-            p_env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{n // 2 - 1}" if n >= 4 else "0"
-            d_env["VLLM_CPU_OMP_THREADS_BIND"] = f"{n // 2}-{n - 1}" if n >= 4 else "1"
+        p_env.update(cpu_binding("prefill"))
+        d_env.update(cpu_binding("decode"))
         self.prefill = Server("prefill", serve_argv(model, p_port, kv_transfer_config, max_model_len=max_model_len,
                                                     extra=extra_serve_args),
                               p_port, self.log_dir / "prefill.log", env=p_env)
@@ -240,7 +248,7 @@ class Deployment:
             kv_peer = "d" if role == "p" else "p"
             kv_addr = plan.addr(role, kv_peer)  # side channel: bind and advertise on the P-D link
             host, port = plan.addr(role, peer), NETNS_PORTS[name]
-            env = {**SERVER_ENV, "UCX_TLS": "tcp", "UCX_NET_DEVICES": plan.dev(role, kv_peer),
+            env = {**SERVER_ENV, **cpu_binding(name), "UCX_TLS": "tcp", "UCX_NET_DEVICES": plan.dev(role, kv_peer),
                    "VLLM_HOST_IP": kv_addr}
             argv = serve_argv(model, port, with_side_channel_host(kv_cfg, kv_addr), max_model_len=max_model_len,
                               extra=extra, host=host)
