@@ -252,7 +252,8 @@ def summarize(mode: str, raw: dict[str, Any], ref: dict[str, Any] | None) -> dic
     if scored:
         nll = [-lp for w in scored for lp in w]
         out["perplexity"] = {"ppl": math.exp(statistics.fmean(nll)), "tokens": len(nll), "windows": len(scored),
-                             "mean_nll": statistics.fmean(nll)}
+                             "mean_nll": statistics.fmean(nll),
+                             "context_tokens_not_computed_by_d": raw.get("context_cached_tokens")}
         if ref is not None and ref["scored_logprobs"]:
             diffs = [statistics.fmean(-a for a in w) - statistics.fmean(-b for b in rw)
                      for w, rw in zip(scored, ref["scored_logprobs"], strict=True)]
