@@ -338,7 +338,7 @@ def format_report(result: dict[str, Any]) -> str:
         f"{result['layers']} layers x {result['kv_heads']} kv heads x head_size {result['head_size']}, "
         f"cache {result['cache_dtype']}, block_size {result['block_size']}\n"
         f"timing: {result.get('threads', '?')} torch thread(s), {result.get('clock', 'wall')} clock, "
-        f"CPU path (torch twins)\n"
+        f"CPU path: numba kernels where available (bit-exact with the torch twins), torch twins otherwise\n"
         f"memcpy of the same bytes: {memcpy:.2f} GB/s (best of {len(result.get('memcpy_gbps_samples', [1]))} "
         f"measurements taken between the codecs); throughput = source KV bytes / time, best of repeats "
         f"(x = fraction of memcpy); bits/value include metadata; targets in parentheses\n"
