@@ -66,3 +66,9 @@ def test_picture_and_examples_exist() -> None:
     assert docgen.FIGURE.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for path in re.findall(r"`(examples/[\w./-]+)`", DOC):
         assert (docgen.ROOT / path).exists(), path
+
+
+def test_label_values_are_documented() -> None:
+    values = set(re.findall(r"\.labels\(\*labels, \"(\w+)\"\)", STATS)) | {"anchor", "residual"}
+    for value in values:
+        assert f"`{value}`" in DOC, value
