@@ -219,13 +219,16 @@ class Progress:
 
 
 def run_rate(dep: Any, model: str, label: str, link_gbps: float | None, plan: Plan, prompts: dict[int, list[Any]],
-             shape: ModelShape, spec_available: bool, progress: Progress) -> tuple[list[dict], list[dict], dict]:
+             shape: ModelShape, spec_available: bool, progress: Progress,
+             concurrency: list[int] | None = None) -> tuple[list[dict], list[dict], dict]:
     """Every (concurrency, mode) cell on one deployment. Returns (rows, requests, prefill times)."""
+    if progress.done == 0:  # the ETA counts request time, not server start-up
+        progress.t0 = time.perf_counter()
     prefill = {n: measure_prefill(dep.prefill.url, model, prompts[n][0].token_ids) for n in sorted(prompts)}
     _write(f"  {label}: measured prefill " + ", ".join(f"{n} tok {s:.2f} s" for n, s in prefill.items()))
     rows: list[dict] = []
     requests: list[dict] = []
-    for conc in plan.concurrency:
+    for conc in concurrency or plan.concurrency:
         for mode in plan.modes:
             if mode == "speculative" and not spec_available:
                 continue
@@ -464,10 +467,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         schedule = [(f"{QUICK_LINK_GBPS:g} Gbps", QUICK_LINK_GBPS, None)]
     else:
         schedule = [("unpaced", None, None)]
-    cells_per_rate = sum(len(lengths) if c == 1 else 1 for c in conc) * len(modes)
-    n_rates = (len(schedule) if explicit or quick or args.unpaced_runs else 0) + (0 if explicit or quick
-                                                                                    else len(ratios))
-    progress = Progress(cells_per_rate * n_rates)
+    conc_ratios = [float(x) for x in args.conc_ratios.split(",")] if args.conc_ratios else None
+    cells_c1 = len(lengths) * len(modes) if 1 in conc else 0
+    cells_cn = sum(1 for c in conc if c > 1) * len(modes)
+    n_first = len(schedule) if explicit or quick or args.unpaced_runs else 0
+    n_paced = 0 if explicit or quick else len(ratios)
+    n_paced_conc = n_paced if conc_ratios is None else sum(1 for r in ratios if r in conc_ratios)
+    progress = Progress((cells_c1 + cells_cn) * n_first + cells_c1 * n_paced + cells_cn * n_paced_conc)
     _write(f"lynx bench e2e: {Path(model).name} fp32 on CPU; modes {', '.join(modes)}; prompts {lengths} tokens "
            f"x {repeats} at concurrency 1, {conc_length} tokens at concurrency {[c for c in conc if c > 1]}; "
            f"{args.max_tokens} tokens each; logs in {log_dir}")
@@ -501,11 +507,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     spec_available, spec_note = detect_speculative(dep, model, warm, dep.decode.log_path)
                 _write(f"  speculative mode: {'available' if spec_available else 'NOT AVAILABLE'} ({spec_note})")
                 if not spec_available:
-                    progress.total -= (sum(len(lengths) if c == 1 else 1 for c in conc)) * n_rates
+                    progress.total -= (len(lengths) if 1 in conc else 0) * (n_first + n_paced) + sum(
+                        1 for c in conc if c > 1) * (n_first + n_paced_conc)
             do_runs = gbps is not None or quick or explicit or args.unpaced_runs
             if do_runs:
+                levels = [c for c in conc if c == 1 or conc_ratios is None or ratio is None or ratio in conc_ratios]
                 got_rows, got_reqs, prefill = run_rate(dep, model, label, gbps, plan, prompts, shape,
-                                                       spec_available, progress)
+                                                       spec_available, progress, levels)
             else:
                 got_rows, got_reqs = [], []
                 prefill = {n: measure_prefill(dep.prefill.url, model, prompts[n][0].token_ids)
@@ -543,7 +551,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      f"{8 * (4 if plan.cache_dtype == 'float32' else 2)} bits/value)",
         "config": {"modes": modes, "lengths": lengths, "repeats": repeats, "concurrency": conc,
                    "conc_length": conc_length, "max_tokens": args.max_tokens, "ratios": ratios,
-                   "ref_tokens": ref_tokens, "explicit_link_gbps": explicit, "ignore_eos": True,
+                   "ref_tokens": ref_tokens, "explicit_link_gbps": explicit, "conc_ratios": conc_ratios, "ignore_eos": True,
                    "temperature": 0.0, "max_model_len": max_len, "serve_args": list(plan.serve_args),
                    "p_cpus": plan.p_cpus, "d_cpus": plan.d_cpus},
         "speculative": {"available": spec_available, "note": spec_note},
@@ -629,6 +637,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None, help="requests per mode and length at concurrency 1")
     p.add_argument("--concurrency", default=None, help="comma-separated concurrency levels (default 1,4)")
     p.add_argument("--conc-length", type=int, default=None, help="prompt length of the concurrent batches")
+    p.add_argument("--conc-ratios", default=None, help="run concurrency > 1 only at these ratios (default: "
+                   "every rate; e.g. 10 = only the transfer-dominated regime)")
     p.add_argument("--ratios", default=None, help="bf16 transfer / prefill ratios that choose the link rates")
     p.add_argument("--ref-tokens", type=int, default=None, help="prompt length the ratios refer to")
     p.add_argument("--link-gbps", default=None, help="explicit comma-separated link rates (skips calibration)")
