@@ -347,16 +347,16 @@ class LynxConnectorWorker:
                 logger.info("LynxConnector: KV load for request %s stopped: %s", req_id, error)
             self.sink.abort(req_id)
             if outcome == "aborted":
-                self._finished_recving.add(req_id)
-            elif outcome == "failed" and not rec.reported:
+                self._finished_recving.add(req_id)  # (again, if the anchor was reported): vLLM frees the blocks
+                rec.reported = True
+            elif outcome == "cancelled":
+                rec.reported = True  # preempted: its blocks are gone, nothing to report
+            elif not rec.reported or req_id in self._finished_recving:
+                # Not reported yet, or the anchor was reported in this same step (not yet seen by the
+                # scheduler): a plain load failure, vLLM's kv_load_failure_policy applies.
                 self._failed_recving.add(req_id)
-            elif outcome == "failed" and req_id in self._finished_recving:
-                # The anchor was reported in this same step (not yet seen by the scheduler): a plain load
-                # failure, vLLM's kv_load_failure_policy applies.
-                self._failed_recving.add(req_id)
-            elif outcome == "failed" and rec.spec.mode == "speculative":
+            elif rec.spec.mode == "speculative":
                 self._residual_failed.add(req_id)  # running on its anchor: the Lynx scheduler applies the policy
-            rec.reported = True
         else:
             self.stats.record_request(time.perf_counter() - rec.t_start)
         if not rec.reported:
