@@ -375,3 +375,113 @@ def decode_f32(dst, tile_base, s_head, off_t, off_d, bs, num_tokens, num_heads, 
                     m += step
                     dst[base + off_d[2 * p + 1]] = mf[m] + sf[m] * np.float32(c >> 4)
     return OK
+
+
+# ---- fp32 caches, channel groups: a vectorizable encode -----------------------------------------------------------
+@njit(cache=True, error_model="numpy")
+def _load_group_f32(src, tile_base, base_h, off_t, off_d, t_contig, d_contig, bs, t0, t1, y):
+    """Rows t0 <= t < t1 of one head into y[t - t0, :] (token-major), reading each tile in its own order."""
+    d_n = off_d.shape[0]
+    t = t0
+    while t < t1:
+        b = t // bs
+        u0 = t % bs
+        u1 = min(bs, u0 + (t1 - t))
+        base = tile_base[b] + base_h
+        r0 = t - t0 - u0
+        if t_contig:  # tile [D, BS]: contiguous over tokens
+            for d in range(d_n):
+                o = base + off_d[d]
+                y[r0 + u0:r0 + u1, d] = src[o + u0:o + u1]
+        elif d_contig:  # tile [BS, D]
+            for u in range(u0, u1):
+                o = base + off_t[u]
+                y[r0 + u, :] = src[o:o + d_n]
+        else:
+            for u in range(u0, u1):
+                o = base + off_t[u]
+                for d in range(d_n):
+                    y[r0 + u, d] = src[o + off_d[d]]
+        t += u1 - u0
+
+
+@njit(cache=True, error_model="numpy")
+def _quant_vec(yr, mnv, safe, lvf, af):
+    """Anchor codes of one row as floats: min(floor((x - mn)/safe + 0.5), levels) (x >= mn: no lower clamp)."""
+    for d in range(yr.shape[0]):
+        af[d] = min(np.floor((yr[d] - mnv[d]) / safe[d] + _P5), lvf)
+
+
+@njit(cache=True, error_model="numpy")
+def _quant_vec_res(yr, mnv, sv, safe, q, lvf, af, rf):
+    """Anchor codes and residual codes + 8 of one row as floats, the twin's expressions in its order."""
+    for d in range(yr.shape[0]):
+        x = yr[d]
+        a = min(np.floor((x - mnv[d]) / safe[d] + _P5), lvf)
+        af[d] = a
+        z = np.floor((x - (mnv[d] + sv[d] * a)) / q[d])
+        rf[d] = min(max(z, _CM8), _C7) + _C8
+
+
+@njit(cache=True, error_model="numpy")
+def _pack_f(cf, out, off):
+    """Float codes (0..15) packed two per byte, low nibble first."""
+    for j in range(cf.shape[0] // 2):
+        out[off + j] = np.uint8(np.int32(cf[2 * j]) | (np.int32(cf[2 * j + 1]) << 4))
+
+
+@njit(cache=True, error_model="numpy")
+def encode_f32_channel(src, tile_base, s_head, off_t, off_d, t_contig, d_contig, bs, num_tokens, num_heads, g,
+                       levels, packed, residual, codes, scale_bits, mn_bits, res):
+    """``encode_tensor`` for fp32 caches and channel groups: each (group, head) is loaded token-major once and
+    quantized by branch-free loops over the head dim (per-dim metadata as vectors), so they vectorize."""
+    d_n = off_d.shape[0]
+    half = d_n // 2
+    y = np.empty((g, d_n), np.float32)
+    gmin, gmax, acc = np.empty(d_n, np.float32), np.empty(d_n, np.float32), np.empty(d_n, np.float32)
+    mnv, sv, safe, span = (np.empty(d_n, np.float32), np.empty(d_n, np.float32),
+                           np.empty(d_n, np.float32), np.empty(d_n, np.float32))
+    q = np.empty(d_n, np.float32)
+    af = np.empty(d_n, np.float32)
+    rf = np.empty(d_n, np.float32)
+    lvf = np.float32(levels)
+    row_bytes = half if packed else d_n
+    for t0 in range(0, num_tokens, g):
+        t1 = min(num_tokens, t0 + g)
+        n = t1 - t0
+        for h in range(num_heads):
+            _load_group_f32(src, tile_base, h * s_head, off_t, off_d, t_contig, d_contig, bs, t0, t1, y)
+            for d in range(d_n):
+                gmin[d] = y[0, d]
+                gmax[d] = y[0, d]
+                acc[d] = _ZERO
+            for r in range(n):
+                for d in range(d_n):
+                    v = y[r, d]
+                    gmin[d] = v if v < gmin[d] else gmin[d]
+                    gmax[d] = v if v > gmax[d] else gmax[d]
+                    acc[d] += v - v
+            if _bad_group(gmin, gmax, acc, levels):
+                return FALLBACK
+            for d in range(d_n):
+                if (gmin[d] == _ZERO and _mixed_zero(y[:n, d], gmin[d])) or (
+                        gmax[d] == _ZERO and _mixed_zero(y[:n, d], gmax[d])):
+                    return FALLBACK
+            _meta(gmin, gmax, levels, mnv, sv, safe, span, mn_bits, scale_bits, ((t0 // g) * num_heads + h) * d_n)
+            for d in range(d_n):
+                q[d] = safe[d] * _P0625
+            for r in range(n):
+                c0 = ((t0 + r) * num_heads + h) * row_bytes
+                yr = y[r]
+                if residual:
+                    _quant_vec_res(yr, mnv, sv, safe, q, lvf, af, rf)
+                    r0 = ((t0 + r) * num_heads + h) * half
+                    _pack_f(rf, res, r0)
+                else:
+                    _quant_vec(yr, mnv, safe, lvf, af)
+                if packed:
+                    _pack_f(af, codes, c0)
+                else:
+                    for d in range(d_n):
+                        codes[c0 + d] = np.uint8(np.int32(af[d]))
+    return OK

@@ -91,6 +91,7 @@ def _run(codec: GroupQuantCodec, kv_layer: torch.Tensor, block_ids: BlockIds, la
     for i, (kind, (group, g, abuf)) in enumerate(zip("kv", parts, strict=True)):
         addr = layout.tile_addr(kv_layer, kind)  # type: ignore[arg-type]
         off_t, off_d, contig = _tables(addr, layout.block_size, d)
+        t_contig = bool(np.array_equal(off_t, np.arange(layout.block_size)))
         tile_base = ids * addr.s_block + addr.base
         s_head = addr.s_head
         nc, ng = codec._codes_nbytes(t, h, d), codec._meta_groups(group, g, t, h, d)
@@ -100,6 +101,13 @@ def _run(codec: GroupQuantCodec, kv_layer: torch.Tensor, block_ids: BlockIds, la
         if kind_code == 0 and skip is not None:  # fp32 decode: the fused kernel
             kernels.decode_f32(flat.view(np.float32), tile_base, s_head, off_t, off_d, layout.block_size, t, h, skip,
                                channel, g, codec.bits == 4, residual is not None, codes, scale, mn, res)
+            continue
+        if kind_code == 0 and skip is None and channel:  # fp32 channel-group encode: the vectorized kernel
+            status = kernels.encode_f32_channel(flat.view(np.float32), tile_base, s_head, off_t, off_d, t_contig, contig,
+                                                layout.block_size, t, h, g, codec.levels, codec.bits == 4,
+                                                residual is not None, codes, scale, mn, res)
+            if status != kernels.OK:
+                return False
             continue
         common = (flat, kind_code, tile_base, s_head, off_t, off_d, contig, layout.block_size, t, h)
         if skip is None:
