@@ -105,7 +105,10 @@ def _engine_main(conn: Any, kwargs: dict[str, Any], env: dict[str, str]) -> None
                 scored = None
                 if out.prompt_logprobs is not None and score_from is not None:
                     ids = prompts[i]
-                    scored = [out.prompt_logprobs[j][ids[j]].logprob for j in range(score_from[i], len(ids))]
+                    plp = out.prompt_logprobs
+                    if len(plp) != len(ids):
+                        raise RuntimeError(f"prompt logprobs for {len(plp)} of {len(ids)} prompt tokens")
+                    scored = [plp[j][ids[j]].logprob for j in range(score_from[i], len(ids))]
                 outs.append({"token_ids": list(c.token_ids), "text": c.text, "scored_logprobs": scored,
                              "kv_transfer_params": out.kv_transfer_params,
                              "num_cached_tokens": out.num_cached_tokens})
@@ -208,9 +211,10 @@ def run_mode(p: Engine, d: Engine, mode: str, needles: list[Any], windows: list[
     scored: list[list[float]] = []
     cached: list[int] = []
     if windows:
-        full = [c + x for c, x in windows]
-        outs = d.generate(full, params[nk:], score_from=[len(c) + 1 for c in contexts], max_tokens=1,
-                          prompt_logprobs=0, skip_reading_prefix_cache=False, detokenize=False)
+        outs = []
+        for (c, x), pp in zip(windows, params[nk:], strict=True):  # one at a time: a batch of them was not
+            outs += d.generate([c + x], [pp], score_from=[len(c) + 1], max_tokens=1,  # scored completely
+                               prompt_logprobs=0, skip_reading_prefix_cache=False, detokenize=False)
         scored = [o["scored_logprobs"] for o in outs]
         cached = [o["num_cached_tokens"] for o in outs]
         for c, n_cached in zip(contexts, cached, strict=True):
