@@ -10,6 +10,15 @@ cd "$ROOT"
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
+# iproute2 (ip, tc) for the tests that put P and D on separate hosts (network namespaces, shaped links).
+if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    log "installing iproute2"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2; } >/dev/null 2>&1 ||
+      log "could not install iproute2: the network-namespace tests will be skipped"
+  fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating virtual environment $VENV"
   "$PY" -m venv "$VENV"
