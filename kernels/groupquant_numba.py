@@ -485,3 +485,81 @@ def encode_f32_channel(src, tile_base, s_head, off_t, off_d, t_contig, d_contig,
                     for d in range(d_n):
                         codes[c0 + d] = np.uint8(np.int32(af[d]))
     return OK
+
+
+# ---- fp32 caches: decode by rows into a block buffer, stored in tile order ----------------------------------------
+@njit(cache=True, error_model="numpy")
+def _dec_row(cb, mr, sr, out, packed):
+    """Anchor values ``mn + s*a`` of one row (codes ``cb``, per-dim metadata ``mr``/``sr``)."""
+    if packed:
+        for j in range(cb.shape[0]):
+            c = cb[j]
+            out[2 * j] = mr[2 * j] + sr[2 * j] * np.float32(c & 15)
+            out[2 * j + 1] = mr[2 * j + 1] + sr[2 * j + 1] * np.float32(c >> 4)
+    else:
+        for d in range(cb.shape[0]):
+            out[d] = mr[d] + sr[d] * np.float32(cb[d])
+
+
+@njit(cache=True, error_model="numpy")
+def _dec_row_res(cb, rb, mr, sr, out):
+    """Full values ``mn + (s/32)*(32a + 2r - 15)`` of one row (packed anchor ``cb``, residual ``rb``)."""
+    for j in range(cb.shape[0]):
+        c = cb[j]
+        rc = rb[j]
+        out[2 * j] = mr[2 * j] + (sr[2 * j] * _P03125) * (
+            np.float32(c & 15) * _C32 + np.float32(rc & 15) * _C2 - _C15)
+        out[2 * j + 1] = mr[2 * j + 1] + (sr[2 * j + 1] * _P03125) * (
+            np.float32(c >> 4) * _C32 + np.float32(rc >> 4) * _C2 - _C15)
+
+
+@njit(cache=True, error_model="numpy")
+def decode_f32_rows(dst, tile_base, s_head, off_t, off_d, t_contig, d_contig, bs, num_tokens, num_heads, skip,
+                    channel, g, packed, residual, codes, scale_bits, mn_bits, res):
+    """``decode_f32`` computed row by row into a block buffer (contiguous, vectorizable loops), then stored in the
+    tile's order: a slice per row when the head dim is contiguous, a slice per dim when tokens are."""
+    d_n = off_d.shape[0]
+    sf, mf = _meta_f32(scale_bits), _meta_f32(mn_bits)
+    half = d_n // 2
+    row_bytes = half if packed else d_n
+    blk = np.empty((bs, d_n), np.float32)
+    mr_t, sr_t = np.empty(d_n, np.float32), np.empty(d_n, np.float32)
+    t = skip
+    while t < num_tokens:
+        b = t // bs
+        u0 = t % bs
+        u1 = min(bs, u0 + (num_tokens - t))
+        for h in range(num_heads):
+            base = tile_base[b] + h * s_head
+            for u in range(u0, u1):
+                tt = t + u - u0
+                if channel:
+                    m0 = ((tt // g) * num_heads + h) * d_n
+                    mr = mf[m0:m0 + d_n]
+                    sr = sf[m0:m0 + d_n]
+                else:
+                    mr_t[:] = mf[tt * num_heads + h]
+                    sr_t[:] = sf[tt * num_heads + h]
+                    mr = mr_t
+                    sr = sr_t
+                c0 = (tt * num_heads + h) * row_bytes
+                if residual:
+                    r0 = (tt * num_heads + h) * half
+                    _dec_row_res(codes[c0:c0 + half], res[r0:r0 + half], mr, sr, blk[u])
+                else:
+                    _dec_row(codes[c0:c0 + row_bytes], mr, sr, blk[u], packed)
+            if t_contig:
+                for d in range(d_n):
+                    o = base + off_d[d]
+                    dst[o + u0:o + u1] = blk[u0:u1, d]
+            elif d_contig:
+                for u in range(u0, u1):
+                    o = base + off_t[u]
+                    dst[o:o + d_n] = blk[u]
+            else:
+                for u in range(u0, u1):
+                    o = base + off_t[u]
+                    for d in range(d_n):
+                        dst[o + off_d[d]] = blk[u, d]
+        t += u1 - u0
+    return OK

@@ -99,8 +99,9 @@ def _run(codec: GroupQuantCodec, kv_layer: torch.Tensor, block_ids: BlockIds, la
         res = _EMPTY if r_np is None else r_np[i * half:(i + 1) * half]
         channel = group == "channel"
         if kind_code == 0 and skip is not None:  # fp32 decode: the fused kernel
-            kernels.decode_f32(flat.view(np.float32), tile_base, s_head, off_t, off_d, layout.block_size, t, h, skip,
-                               channel, g, codec.bits == 4, residual is not None, codes, scale, mn, res)
+            kernels.decode_f32_rows(flat.view(np.float32), tile_base, s_head, off_t, off_d, t_contig, contig,
+                                    layout.block_size, t, h, skip, channel, g, codec.bits == 4, residual is not None,
+                                    codes, scale, mn, res)
             continue
         if kind_code == 0 and skip is None and channel:  # fp32 channel-group encode: the vectorized kernel
             status = kernels.encode_f32_channel(flat.view(np.float32), tile_base, s_head, off_t, off_d, t_contig, contig,
