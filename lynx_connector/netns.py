@@ -15,8 +15,9 @@ namespace: a process inside can reach only its own ``lo`` and the far end of its
 Link faults, all reversible: ``set_link_up`` (``ip link set down/up``), ``blackhole`` (every packet dropped: a
 100% loss without the interface going down), ``set_loss`` (random loss). The kernel here has no ``netem``, so
 loss is built from what it has: an HTB root whose "drop" class ends in a zero-length FIFO, fed by a classic-BPF
-classifier on the kernel's random number (``ld rand``). Delay needs ``netem`` and is reported unsupported
-(:func:`netem_available`).
+classifier on the kernel's random number (``ld rand``). Delay: ``add_wire`` joins two namespaces with a TAP
+device in each instead of a veth, bridged by a thread of this process that holds every frame for a fixed
+one-way delay (a "long cable"; slower than a veth, meant for delay cases only).
 
 Namespaces are named ``lynx<pid>x<n><role>``; :func:`cleanup_stale` removes those whose creating process is gone.
 """
@@ -25,12 +26,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
+import heapq
 import itertools
 import json
 import os
 import re
+import select
 import shutil
+import struct
 import subprocess
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -38,7 +45,7 @@ from lynx_connector.logger import init_logger
 
 logger = init_logger(__name__)
 
-__all__ = ["Link", "NetnsError", "Topology", "available", "cleanup_stale", "enter_process", "entered",
+__all__ = ["Link", "NetnsError", "Topology", "Wire", "available", "cleanup_stale", "enter_process", "entered",
            "netem_available", "SUBNET"]
 
 #: First two octets of every address handed out here (RFC 1918 private space).
@@ -120,6 +127,7 @@ class Topology:
         self.namespaces: list[str] = []
         self.links: list[Link] = []
         self._links_made = 0
+        self.wires: list[Wire] = []
 
     def __enter__(self) -> Topology:
         return self
@@ -170,6 +178,36 @@ class Topology:
         logger.info("veth %s:%s(%s) <-> %s:%s(%s) mtu %d", ns_a, dev_a, link.addr_a, ns_b, dev_b, link.addr_b, mtu)
         return link
 
+    def add_wire(self, ns_a: str, ns_b: str, *, delay_ms: float, mtu: int = 9000) -> Link:
+        """Like :meth:`add_link`, but a TAP device in each namespace and a :class:`Wire` thread between them
+        that delays every frame by ``delay_ms`` one way (RTT = 2 x delay). Stopped by :meth:`destroy`."""
+        for ns in (ns_a, ns_b):
+            if ns not in self.namespaces:
+                raise ValueError(f"{ns} is not a namespace of this topology")
+        self._links_made += 1
+        addr_a, addr_b = self.link_addrs(self._links_made)
+        dev_a, dev_b = self.link_devs(ns_a[len(self._tag):], ns_b[len(self._tag):])
+        fds = []
+        try:
+            for ns, dev, addr in ((ns_a, dev_a, addr_a), (ns_b, dev_b, addr_b)):
+                with entered(ns):  # the TAP device is created in the calling thread's namespace
+                    fds.append(_open_tap(dev))
+                _run(["ip", "-n", ns, "link", "set", dev, "mtu", str(mtu)])
+                _run(["ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev])
+                _run(["ip", "-n", ns, "link", "set", dev, "up"])
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        wire = Wire(fds[0], fds[1], delay_ms / 1e3, mtu)
+        wire.start()
+        self.wires.append(wire)
+        link = Link(ns_a, dev_a, addr_a, ns_b, dev_b, addr_b, mtu)
+        self.links.append(link)
+        logger.info("wire %s:%s(%s) <-> %s:%s(%s), %.1f ms one way", ns_a, dev_a, addr_a, ns_b, dev_b, addr_b,
+                    delay_ms)
+        return link
+
     # ---- shaping and faults (egress of `dev` in `ns`) ----
     def _tc(self, ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return _run(["ip", "netns", "exec", ns, "tc", *args], check=check)
@@ -212,9 +250,11 @@ class Topology:
                      "bpf", "bytecode", prog, "classid", "1:20")
 
     def blackhole(self, ns: str, dev: str, on: bool = True) -> None:
-        """Drop every egress packet of ``dev`` (the link looks cut to TCP, the interface stays up)."""
+        """Drop every egress packet of ``dev`` (the link looks cut to TCP, the interface stays up). One atomic
+        ``tc qdisc replace`` by a zero-length FIFO: no moment without a qdisc in between (a shaper removed
+        first would let the rest of a transfer through at full speed)."""
         if on:
-            self.set_loss(ns, dev, 1.0)
+            self._tc(ns, "qdisc", "replace", "dev", dev, "root", "pfifo", "limit", "0")
         else:
             self.clear(ns, dev)
 
@@ -243,6 +283,8 @@ class Topology:
     # ---- teardown ----
     def destroy(self) -> None:
         """Delete every namespace of this topology (idempotent; continues past errors, logs them)."""
+        while self.wires:
+            self.wires.pop().stop()
         while self.namespaces:
             ns = self.namespaces.pop()
             res = _run(["ip", "netns", "del", ns], check=False)
@@ -332,3 +374,65 @@ def entered(ns: str) -> Iterator[None]:
             _setns(own)
     finally:
         os.close(own)
+
+
+_TUNSETIFF, _IFF_TAP, _IFF_NO_PI = 0x400454CA, 0x0002, 0x1000
+
+
+def _open_tap(name: str) -> int:
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
+    try:
+        fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH", name.encode(), _IFF_TAP | _IFF_NO_PI))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class Wire(threading.Thread):
+    """Copies Ethernet frames between two TAP file descriptors, each one ``delay_s`` after it was read (order
+    kept per direction). Closing the TAP fds in :meth:`stop` removes the devices."""
+
+    def __init__(self, fd_a: int, fd_b: int, delay_s: float, mtu: int) -> None:
+        super().__init__(name="lynx-wire", daemon=True)
+        self._fds = (fd_a, fd_b)
+        self.delay_s = delay_s
+        self._bufsize = mtu + 64
+        self._wake_r, self._wake_w = os.pipe()
+        self._stop_flag = False
+        self.frames = 0
+
+    def run(self) -> None:
+        a, b = self._fds
+        other = {a: b, b: a}
+        queue: list[tuple[float, int, int, bytes]] = []
+        seq = itertools.count()
+        while not self._stop_flag:
+            now = time.monotonic()
+            while queue and queue[0][0] <= now:
+                _, _, fd, frame = heapq.heappop(queue)
+                with contextlib.suppress(OSError):  # device gone or queue full: the frame is lost, as on a wire
+                    os.write(fd, frame)
+            timeout = None if not queue else max(0.0, queue[0][0] - now)
+            ready, _, _ = select.select([a, b, self._wake_r], [], [], timeout)
+            now = time.monotonic()
+            for fd in ready:
+                if fd == self._wake_r:
+                    continue
+                for _ in range(64):
+                    try:
+                        frame = os.read(fd, self._bufsize)
+                    except BlockingIOError:
+                        break
+                    except OSError:
+                        return
+                    self.frames += 1
+                    heapq.heappush(queue, (now + self.delay_s, next(seq), other[fd], frame))
+
+    def stop(self) -> None:
+        self._stop_flag = True
+        os.write(self._wake_w, b"x")
+        self.join(5)
+        for fd in (*self._fds, self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)

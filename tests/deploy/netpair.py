@@ -140,11 +140,15 @@ class NetPair:
 
 
 @contextlib.contextmanager
-def net_pair(mtu: int = 9000) -> Iterator[NetPair]:
-    """Namespaces P and D and their link; the caller starts the processes (`start_source`/`start_sink`)."""
+def net_pair(mtu: int = 9000, delay_ms: float | None = None) -> Iterator[NetPair]:
+    """Namespaces P and D and their link (a veth, or a delaying TAP wire when `delay_ms` is given); the caller
+    starts the processes (`start_source`/`start_sink`)."""
     with netns.Topology() as topo:
         p, d = topo.add_namespace("p"), topo.add_namespace("d")
-        link = topo.add_link(p, d, mtu=mtu)
+        if delay_ms is None:
+            link = topo.add_link(p, d, mtu=mtu)
+        else:
+            link = topo.add_wire(p, d, delay_ms=delay_ms, mtu=mtu)
         pair = NetPair(topo, p, d, link)
         try:
             yield pair
