@@ -265,7 +265,10 @@ def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbp
                    cache_dtype: str = "float32") -> dict[str, Any]:
     ok = [r for r in got if r["error"] is None]
     first, total = zip(*(wire_bytes(mode, r["prompt_tokens"], shape, cache_dtype) for r in got), strict=True)
-    ideals = ideal_ttfts(prefill_s, list(first), link_gbps)
+    if conc == 1:  # one request at a time: each on its own
+        ideals = [ideal_ttfts(prefill_s, [b], link_gbps)[0] for b in first]
+    else:
+        ideals = ideal_ttfts(prefill_s, list(first), link_gbps)
     row: dict[str, Any] = {"mode": mode, "rate_label": label, "link_gbps": link_gbps, "concurrency": conc,
                            "prompt_tokens": round(statistics.mean(r["prompt_tokens"] for r in got)),
                            "nominal_tokens": nominal, "n": len(got), "errors": len(got) - len(ok),

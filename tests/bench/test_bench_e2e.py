@@ -134,3 +134,12 @@ def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
         assert r["ideal_ttft_s"] > 0 and r["wire_bytes"] > 0
     assert (tmp_path / "e2e.md").exists() and (tmp_path / "e2e_ttft_vs_link.png").exists()
     assert "[1/" in proc.stdout  # progress lines while it runs
+
+
+def test_ideal_at_concurrency_one_is_per_request() -> None:
+    reqs = [_req("bf16", 1.0, 1), _req("bf16", 1.2, 2)]
+    row = e2e.summarize_cell(reqs, "bf16", 1024, 1, 1.0, "r", 0.5, SHAPE, {})
+    expected = 0.5 + e2e.wire_bytes("bf16", 1100, SHAPE)[0] * 8 / 1e9
+    assert row["ideal_ttft_s"] == pytest.approx(expected)
+    batch = e2e.summarize_cell(reqs, "bf16", 1024, 2, 1.0, "r", 0.5, SHAPE, {})
+    assert batch["ideal_ttft_s"] > row["ideal_ttft_s"]
