@@ -294,6 +294,25 @@ def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbp
     return row
 
 
+def rederive_ideals(result: dict[str, Any]) -> None:
+    """Recompute each row's ideal TTFT and measured/ideal from the stored measurements (prefill, requests,
+    link rate) with the current model, and the target checks; for results written by an older version."""
+    shape = ModelShape(**result["model_shape"])
+    for row in result["rows"]:
+        reqs = [r for r in result["requests"] if r["rate_label"] == row["rate_label"] and r["mode"] == row["mode"]
+                and r["concurrency"] == row["concurrency"] and r["nominal_tokens"] == row["nominal_tokens"]]
+        first = [wire_bytes(row["mode"], r["prompt_tokens"], shape, result.get("cache_dtype", "float32"))[0]
+                 for r in reqs]
+        if row["concurrency"] == 1:
+            ideals = [ideal_ttfts(row["prefill_s"], [b], row["link_gbps"])[0] for b in first]
+        else:
+            ideals = ideal_ttfts(row["prefill_s"], first, row["link_gbps"])
+        row["ideal_ttft_s"] = quantile(ideals, 0.5)
+        row["ttft_vs_ideal"] = (row["ttft_s_median"] / row["ideal_ttft_s"]
+                                if row["ttft_s_median"] and row["ideal_ttft_s"] else None)
+    result["checks"] = evaluate_targets(result["rows"], result["config"]["ratios"])
+
+
 def mark_output_equality(requests: list[dict]) -> None:
     """``output_equal_full`` on each request: its text equals the full mode's for the same prompt and cell."""
     full = {(r["rate_label"], r["concurrency"], r["seed"], r["prompt_tokens"]): r["text_sha1"]
