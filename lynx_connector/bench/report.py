@@ -266,14 +266,40 @@ def write_outputs(json_path: str | Path, result: dict[str, Any] | None = None) -
     return written
 
 
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+
+
+def update_readme(readme: str | Path, json_paths: list[str | Path]) -> None:
+    """Replace the text between the results markers of ``readme`` with the tables and plots of the results."""
+    readme = Path(readme)
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{readme} has no {BEGIN} ... {END} section")
+    parts = []
+    for jp in json_paths:
+        jp = Path(jp)
+        result = json.loads(jp.read_text())
+        md = e2e_markdown(result) if result.get("bench") == "e2e" else accuracy_markdown(result)
+        rel = jp.parent.relative_to(readme.parent) if jp.parent.is_relative_to(readme.parent) else jp.parent
+        pngs = sorted(jp.parent.glob(f"{jp.stem}_*.png"))
+        parts.append(md.replace("## lynx bench", "### lynx bench", 1) + "\n"
+                     + "".join(f"![{p.stem}]({rel / p.name})\n" for p in pngs))
+    new = text[: text.index(BEGIN) + len(BEGIN)] + "\n" + "\n".join(parts) + "\n" + text[text.index(END):]
+    readme.write_text(new)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lynx_connector.bench.report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", nargs="+", help="result JSON files of lynx bench e2e / accuracy")
+    p.add_argument("--readme", default=None, help="also put the tables and plots into this README's results "
+                   "section (between the results markers)")
     args = p.parse_args(argv)
     for path in args.json:
         for out in write_outputs(path):
             sys.stdout.write(f"{out}\n")
+    if args.readme:
+        update_readme(args.readme, args.json)
     return 0
 
 
