@@ -35,15 +35,24 @@ def numba_kernels() -> Any:
     return groupquant_numba
 
 
+def _codec_key(codec: GroupQuantCodec) -> tuple[Any, ...]:
+    return (codec.bits, codec.levels, codec.two_stream, codec.k_group, codec.k_tokens, codec.v_group, codec.v_tokens)
+
+
 def supports_numba(codec: Codec, kv_layer: torch.Tensor, layout: KVLayout) -> bool:
     """True when the numba kernels can run ``codec`` on this cache tensor."""
     if not isinstance(codec, GroupQuantCodec) or kv_layer.device.type != "cpu" or kv_layer.dtype not in _KINDS:
         return False
-    if layout.backend == "cpu" and kv_layer.dim() == 4 and kv_layer.stride()[2:] != (2 * layout.head_size, 1):
+    return _supports(codec.k_group, codec.v_group, layout, tuple(kv_layer.shape), kv_layer.stride())
+
+
+@lru_cache(maxsize=256)
+def _supports(k_group: str, v_group: str, layout: KVLayout, shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    if layout.backend == "cpu" and len(shape) == 4 and stride[2:] != (2 * layout.head_size, 1):
         return False
-    if any(g not in ("token", "channel") for g in (codec.k_group, codec.v_group)):
+    if any(g not in ("token", "channel") for g in (k_group, v_group)):
         return False
-    if any(s <= 0 for s in kv_layer.stride()):
+    if any(st <= 0 for st in stride):
         return False
     return numba_kernels() is not None
 
@@ -58,65 +67,85 @@ def _flat(kv_layer: torch.Tensor) -> np.ndarray:
 
 
 @lru_cache(maxsize=64)
-def _tables(a: TileAddr, block_size: int, head_size: int) -> tuple[np.ndarray, np.ndarray, bool]:
-    """(off_t[BS], off_d[D], d contiguous): the tile_addr formula of K or V tabulated per block row and dim."""
+def _tables(a: TileAddr, block_size: int, head_size: int) -> tuple[np.ndarray, np.ndarray, bool, bool]:
+    """(off_t[BS], off_d[D], d contiguous, tokens contiguous): the tile_addr formula of K or V tabulated per block
+    row and dim."""
     u = np.arange(block_size, dtype=np.int64)
     d = np.arange(head_size, dtype=np.int64)
     off_t = (u // a.pt) * a.s_t1 + (u % a.pt) * a.s_t0
     off_d = (d // a.pd) * a.s_d1 + (d % a.pd) * a.s_d0
-    return off_t, off_d, bool(np.array_equal(off_d, d))
+    return off_t, off_d, bool(np.array_equal(off_d, d)), bool(np.array_equal(off_t, u))
 
 
 _EMPTY = np.empty(0, np.uint8)
+_PLANS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+
+def _plan(codec: GroupQuantCodec, kv_layer: torch.Tensor, layout: KVLayout, t: int) -> tuple[Any, ...]:
+    """Everything about one (codec, layout, cache geometry, token count) that does not change between calls (plane
+    sizes; per tensor K, V: address tables, plane offsets, grouping), cached: it costs tens of microseconds per
+    layer call otherwise."""
+    key = (_codec_key(codec), layout, tuple(kv_layer.shape), kv_layer.stride(), t)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    h, d = layout.num_heads, layout.head_size
+    na, nr = codec.plane_nbytes(t, h, d, layout.dtype)
+    nk = codec._tensor_nbytes(codec.k_group, codec.k_tokens, t, h, d)
+    half = t * h * d // 2
+    tensors = []
+    for i, (kind, group, g) in enumerate((("k", codec.k_group, codec.k_tokens), ("v", codec.v_group, codec.v_tokens))):
+        addr = layout.tile_addr(kv_layer, kind)  # type: ignore[arg-type]
+        off_t, off_d, contig, t_contig = _tables(addr, layout.block_size, d)
+        nc, ng = codec._codes_nbytes(t, h, d), codec._meta_groups(group, g, t, h, d)
+        a0 = 0 if i == 0 else nk
+        tensors.append((addr.s_block, addr.base, addr.s_head, off_t, off_d, contig, t_contig, a0, nc, ng,
+                        (i * half, (i + 1) * half), group == "channel", g))
+    plan = (na, nr, tuple(tensors))
+    if len(_PLANS) > 1024:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
 
 
 def _run(codec: GroupQuantCodec, kv_layer: torch.Tensor, block_ids: BlockIds, layout: KVLayout, num_tokens: int,
          anchor: torch.Tensor, residual: torch.Tensor | None, skip: int | None) -> bool:
     """Encode (``skip is None``) or decode rows >= skip; False when a kernel declined."""
     kernels = numba_kernels()
-    t, h, d = num_tokens, layout.num_heads, layout.head_size
+    t, h = num_tokens, layout.num_heads
     ids = layout._check(kv_layer, block_ids, t).numpy()
-    na, nr = codec.plane_nbytes(t, h, d, layout.dtype)
+    na, nr, tensors = _plan(codec, kv_layer, layout, t)
     anchor = check_plane(anchor, na, "anchor")
     if residual is not None:
         residual = check_plane(residual, nr, "residual")
     # plane views sliced in numpy: a torch slice/view costs microseconds, which adds up per layer and tensor
     a_np = anchor.numpy()
     r_np = None if residual is None else residual.numpy()
-    nk = codec._tensor_nbytes(codec.k_group, codec.k_tokens, t, h, d)
-    half = t * h * d // 2
     flat = _flat(kv_layer)
     kind_code = _KINDS[layout.dtype]
-    parts = ((codec.k_group, codec.k_tokens, a_np[:nk]), (codec.v_group, codec.v_tokens, a_np[nk:]))
-    for i, (kind, (group, g, abuf)) in enumerate(zip("kv", parts, strict=True)):
-        addr = layout.tile_addr(kv_layer, kind)  # type: ignore[arg-type]
-        off_t, off_d, contig = _tables(addr, layout.block_size, d)
-        t_contig = bool(np.array_equal(off_t, np.arange(layout.block_size)))
-        tile_base = ids * addr.s_block + addr.base
-        s_head = addr.s_head
-        nc, ng = codec._codes_nbytes(t, h, d), codec._meta_groups(group, g, t, h, d)
-        codes, scale, mn = abuf[:nc], abuf[nc:nc + 2 * ng].view(np.uint16), abuf[nc + 2 * ng:nc + 4 * ng].view(np.uint16)
-        res = _EMPTY if r_np is None else r_np[i * half:(i + 1) * half]
-        channel = group == "channel"
-        if kind_code == 0 and skip is not None:  # fp32 decode: the fused kernel
-            kernels.decode_f32_rows(flat.view(np.float32), tile_base, s_head, off_t, off_d, t_contig, contig,
-                                    layout.block_size, t, h, skip, channel, g, codec.bits == 4, residual is not None,
-                                    codes, scale, mn, res)
+    packed, two = codec.bits == 4, residual is not None
+    bs = layout.block_size
+    for s_block, base, s_head, off_t, off_d, contig, t_contig, a0, nc, ng, (r0, r1), channel, g in tensors:
+        tile_base = ids * s_block + base
+        codes = a_np[a0:a0 + nc]
+        scale = a_np[a0 + nc:a0 + nc + 2 * ng].view(np.uint16)
+        mn = a_np[a0 + nc + 2 * ng:a0 + nc + 4 * ng].view(np.uint16)
+        res = _EMPTY if r_np is None else r_np[r0:r1]
+        if kind_code == 0 and skip is not None:  # fp32 decode: rows into a block buffer, stored in tile order
+            kernels.decode_f32_rows(flat.view(np.float32), tile_base, s_head, off_t, off_d, t_contig, contig, bs, t,
+                                    h, skip, channel, g, packed, two, codes, scale, mn, res)
             continue
         if kind_code == 0 and skip is None and channel:  # fp32 channel-group encode: the vectorized kernel
-            status = kernels.encode_f32_channel(flat.view(np.float32), tile_base, s_head, off_t, off_d, t_contig, contig,
-                                                layout.block_size, t, h, g, codec.levels, codec.bits == 4,
-                                                residual is not None, codes, scale, mn, res)
+            status = kernels.encode_f32_channel(flat.view(np.float32), tile_base, s_head, off_t, off_d, t_contig,
+                                                contig, bs, t, h, g, codec.levels, packed, two, codes, scale, mn, res)
             if status != kernels.OK:
                 return False
             continue
-        common = (flat, kind_code, tile_base, s_head, off_t, off_d, contig, layout.block_size, t, h)
+        common = (flat, kind_code, tile_base, s_head, off_t, off_d, contig, bs, t, h)
         if skip is None:
-            status = kernels.encode_tensor(*common, channel, g, codec.levels, codec.bits == 4, residual is not None,
-                                           codes, scale, mn, res)
+            status = kernels.encode_tensor(*common, channel, g, codec.levels, packed, two, codes, scale, mn, res)
         else:
-            status = kernels.decode_tensor(*common, skip, channel, g, codec.bits == 4, residual is not None,
-                                           codes, scale, mn, res)
+            status = kernels.decode_tensor(*common, skip, channel, g, packed, two, codes, scale, mn, res)
         if status != kernels.OK:
             return False
     return True
