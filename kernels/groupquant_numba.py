@@ -408,8 +408,9 @@ def _load_group_f32(src, tile_base, base_h, off_t, off_d, t_contig, d_contig, bs
 @njit(cache=True, error_model="numpy")
 def _quant_vec(yr, mnv, safe, lvf, af):
     """Anchor codes of one row as floats: min(floor((x - mn)/safe + 0.5), levels) (x >= mn: no lower clamp)."""
-    for d in range(yr.shape[0]):
-        af[d] = min(np.floor((yr[d] - mnv[d]) / safe[d] + _P5), lvf)
+    for d in range(yr.shape[0]):  # selects, not min(): numba's min() keeps LLVM from vectorizing the loop
+        a = np.floor((yr[d] - mnv[d]) / safe[d] + _P5)
+        af[d] = lvf if a > lvf else a
 
 
 @njit(cache=True, error_model="numpy")
@@ -417,10 +418,13 @@ def _quant_vec_res(yr, mnv, sv, safe, q, lvf, af, rf):
     """Anchor codes and residual codes + 8 of one row as floats, the twin's expressions in its order."""
     for d in range(yr.shape[0]):
         x = yr[d]
-        a = min(np.floor((x - mnv[d]) / safe[d] + _P5), lvf)
+        a = np.floor((x - mnv[d]) / safe[d] + _P5)
+        a = lvf if a > lvf else a  # selects, not min()/max(): those keep LLVM from vectorizing the loop
         af[d] = a
         z = np.floor((x - (mnv[d] + sv[d] * a)) / q[d])
-        rf[d] = min(max(z, _CM8), _C7) + _C8
+        z = _CM8 if z < _CM8 else z
+        z = _C7 if z > _C7 else z
+        rf[d] = z + _C8
 
 
 @njit(cache=True, error_model="numpy")
