@@ -7,7 +7,7 @@ Commands (tuples) -> replies ("ok", value) / ("error", message):
   ("pull", [(req_id, host, port, anchor_nbytes, residual_nbytes), ...])  allocate views in the pool, pull
   ("events", n, timeout_s)  -> [(t_monotonic, req_id, stream, ok, error, nbytes, seconds), ...] (>= n or timeout)
   ("crc", req_id)           -> (anchor crc, residual crc)
-  ("free", req_id)          -> frees the request's views
+  ("free", req_id)          -> frees the request's views      ("free_all",) -> frees every view left
   ("stats",)                -> sink.stats() plus the pool's regions_live / bytes_allocated
   ("stop",)
 """
@@ -57,6 +57,11 @@ def _main(conn: Connection, cfg: dict[str, Any], compat: dict[str, Any]) -> None
                 elif cmd[0] == "free":
                     views.pop(cmd[1], None)
                     conn.send(("ok", sink.pool.free_request(cmd[1])))
+                elif cmd[0] == "free_all":  # a test's cleanup: whatever views it left behind
+                    for req_id in list(views):
+                        views.pop(req_id)
+                        sink.pool.free_request(req_id)
+                    conn.send(("ok", None))
                 elif cmd[0] == "stats":
                     conn.send(("ok", {**sink.stats(), "pool_regions_live": sink.pool.regions_live,
                                       "pool_bytes_allocated": sink.pool.bytes_allocated}))
