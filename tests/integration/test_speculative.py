@@ -141,24 +141,36 @@ def test_eos_and_max_tokens_during_speculation(engines, prompts):
         assert counters(o)["speculated"] == 5
 
 
+def _first_divergence(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def test_corrupted_residual_is_rejected_and_corrected(engines, prompts, record_property):
-    """A residual whose bits are flipped on arrival changes the prompt KV: verification must give what full-mode
-    decoding on the same corrupted KV gives, and fewer held tokens are accepted than with a sound residual."""
+    """A residual whose bits are flipped on arrival changes the prompt KV. Verification must give exactly what
+    full-mode decoding on the same corrupted KV gives, and the verifier must accept precisely the held tokens
+    that agree with it: accepted == first divergence between the anchor-only decode (what was held) and the
+    corrupted-full decode. Acceptance itself need not drop (the corrupted values stay inside the anchor's
+    quantization cells, so they may agree with the anchor for a while); it is recorded next to the sound one."""
     p, d = engines
-    ids = [pr.token_ids for pr in prompts[:2]]
+    ids = [pr.token_ids for pr in prompts]
     sampling = dict(max_tokens=CAP + 4, ignore_eos=True)
     bad = {"corrupt_residual": True}
     ref_bad = run(p, d, ids, "full", bad, **sampling)
-    ref_ok = reference(p, d, ids, "corrupt-ok", **sampling)
-    assert any(a["token_ids"] != b["token_ids"] for a, b in zip(ref_bad, ref_ok, strict=True))  # KV changed
-    out = run(p, d, ids, "speculative", dict(bad, delay_residual_steps=CAP), **sampling)
-    ok = run(p, d, ids, "speculative", {"delay_residual_steps": CAP}, **sampling)
-    for o, r in zip(out, ref_bad, strict=True):
+    ref_ok = reference(p, d, ids, "long", **LONG)
+    assert any(a["token_ids"] != b["token_ids"][:len(a["token_ids"])]
+               for a, b in zip(ref_bad, ref_ok, strict=True))  # the corruption changed the KV
+    anchor = run(p, d, ids, "anchor", **sampling)  # the tokens the anchor phase holds
+    out = run(p, d, ids, "speculative", dict(bad, delay_residual_steps=CAP + 4), **sampling)
+    for o, r, a in zip(out, ref_bad, anchor, strict=True):
         assert o["token_ids"] == r["token_ids"]
+        c = counters(o)
+        assert c["speculated"] == CAP
+        assert c["accepted"] == min(CAP, _first_divergence(a["token_ids"], r["token_ids"]))
     acc_bad = sum(counters(o)["accepted"] for o in out) / sum(counters(o)["speculated"] for o in out)
-    acc_ok = sum(counters(o)["accepted"] for o in ok) / sum(counters(o)["speculated"] for o in ok)
-    record_property("acceptance", json.dumps({"corrupted": acc_bad, "sound": acc_ok}))
-    assert acc_bad < acc_ok
+    record_property("acceptance_corrupted", acc_bad)
 
 
 def test_residual_failure_fails_the_request_without_hang(engines, prompts):
