@@ -18,7 +18,7 @@ from lynx_connector.logger import init_logger
 
 logger = init_logger(__name__)
 
-DEFAULT_MODES = ("bf16", "int8", "int4", "anchor", "full")
+DEFAULT_MODES = ("bf16", "int8", "int4", "full", "speculative")
 MODE_LABEL = {"bf16": "bf16 (cache dtype, fp32 here)", "fp8": "fp8", "int8": "int8", "int4": "int4",
               "int4_kivi": "int4 (KIVI)", "anchor": "lynx anchor only", "full": "lynx full",
               "speculative": "lynx speculative"}
@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="emulated P->D link rate (the transport's pacing); slow enough that the transfer "
                         "matters next to CPU prefill, as a real 10-50 Gbps link does for a GPU prefill")
     p.add_argument("--repeats", type=int, default=1, help="requests per mode and length")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
     p.add_argument("--log-dir", default=None, help="where the server logs go (default: a temporary folder)")
     p.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON here")
 
@@ -65,8 +66,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [build_needle_prompt(tok, n, depth=0.4 + 0.2 * i, seed=i + 1) for i, n in enumerate(lengths)]
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="lynx-demo-"))
-    kv_cfg = json.dumps({"kv_connector": "lynx", "kv_connector_extra_config": {"mode": "full",
-                                                                                "link_gbps": args.link_gbps}})
+    # Both servers get the speculative preset (it adds the Lynx scheduler and the null proposer); each
+    # request then names its own transfer mode, so one P/D pair serves every scheme of the comparison.
+    kv_cfg = json.dumps({"kv_connector": "lynx:speculative",
+                         "kv_connector_extra_config": {"link_gbps": args.link_gbps}})
     _write(f"Lynx 1P1D demo: SmolLM2-135M-Instruct (fp32, CPU), link paced to {args.link_gbps} Gbit/s, "
            f"modes {', '.join(modes)}; server logs in {log_dir}")
     _write("Starting prefill, decode and proxy servers (about a minute on 2 cores)...")
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for mode in modes:
             for pr in prompts:
                 for _ in range(args.repeats):
-                    res = stream_completion(dep.url, model, pr.token_ids, max_tokens=12,
+                    res = stream_completion(dep.url, model, pr.token_ids, max_tokens=args.max_tokens,
                                             kv_transfer_params={"lynx_mode": mode})
                     ok = res.error is None and needle_found(pr.answer, res.text)
                     nbytes = wire_bytes(mode, len(pr.token_ids))
@@ -121,10 +124,16 @@ def _summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             lines.append(f"  lynx full vs {base}: TTFT {full:.2f} s vs {b:.2f} s ({b / full:.2f}x), "
                          f"wire {numbers['full']['wire_mb']:.1f} MB vs {numbers[base]['wire_mb']:.1f} MB, "
                          f"needles found {numbers['full']['accuracy']:.0%} vs {numbers[base]['accuracy']:.0%}")
-    anchor = med("anchor", "ttft_s")
-    if anchor and full:
-        lines.append(f"  decoding could start at the anchor: {anchor:.2f} s (the speculative mode's head start "
-                     f"over lynx full: {full - anchor:.2f} s)")
+    spec = med("speculative", "ttft_s")
+    if spec and full:
+        same = all(r["answer"] == f["answer"] for r in rows if r["mode"] == "speculative"
+                   for f in rows if f["mode"] == "full" and f["context_tokens"] == r["context_tokens"])
+        lines.append(f"  lynx speculative vs lynx full: TTFT {spec:.2f} s vs {full:.2f} s ({full / spec:.2f}x), "
+                     f"answers {'identical' if same else 'DIFFERENT'} (verified tokens only reach the client)")
+        for base in ("int8", "bf16"):
+            b = med(base, "ttft_s")
+            if b:
+                lines.append(f"  lynx speculative vs {base}: TTFT {spec:.2f} s vs {b:.2f} s ({b / spec:.2f}x)")
     if any(r["error"] for r in rows):
         lines.append(f"  {sum(1 for r in rows if r['error'])} request(s) failed; see the server logs")
     return {"lines": lines, "numbers": numbers}
