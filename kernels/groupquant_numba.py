@@ -277,9 +277,18 @@ def encode_tensor(src, kind, tile_base, s_head, off_t, off_d, d_contig, bs, num_
 
 @njit(cache=True, error_model="numpy")
 def _meta_f32(bits):
-    out = np.empty(bits.shape[0], np.uint32)
-    for i in range(bits.shape[0]):
-        out[i] = f16_bits_to_f32_bits(np.int64(bits[i]))
+    """fp16 metadata bits -> fp32: the normal-number formula in a vectorizable pass, then the rare zeros,
+    subnormals and non-finite values through the exact scalar conversion."""
+    n = bits.shape[0]
+    out = np.empty(n, np.uint32)
+    for i in range(n):
+        h = np.uint32(bits[i])
+        out[i] = ((h & np.uint32(0x8000)) << np.uint32(16)) | (((h & np.uint32(0x7FFF)) << np.uint32(13))
+                                                               + np.uint32(112 << 23))
+    for i in range(n):
+        e = np.int64(bits[i]) & 0x7C00
+        if e == 0 or e == 0x7C00:
+            out[i] = f16_bits_to_f32_bits(np.int64(bits[i]))
     return out.view(np.float32)
 
 

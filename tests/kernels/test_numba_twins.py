@@ -138,3 +138,12 @@ def test_impl_numba_rejects_unsupported() -> None:
         encode(codec, src, [1], layout, BS, a, impl="numba")
     with pytest.raises(ValueError):
         encode(codec, src, [1], layout, BS, a, impl="nope")
+
+
+def test_meta_f32_exhaustive() -> None:
+    """The split (vectorized normal-number pass + scalar fix-up) fp16 -> fp32 metadata conversion, on every bit
+    pattern, against the scalar conversion."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    got = kernels._meta_f32(bits).view(np.uint32)
+    want = np.array([kernels.f16_bits_to_f32_bits.py_func(int(b)) for b in bits], dtype=np.uint32)
+    assert np.array_equal(got, want)
