@@ -414,7 +414,7 @@ def _load_group_f32(src, tile_base, base_h, off_t, off_d, t_contig, d_contig, bs
         t += u1 - u0
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", inline="always")
 def _quant_vec(yr, mnv, safe, lvf, af):
     """Anchor codes of one row as floats: min(floor((x - mn)/safe + 0.5), levels) (x >= mn: no lower clamp)."""
     for d in range(yr.shape[0]):  # selects, not min(): numba's min() keeps LLVM from vectorizing the loop
@@ -422,7 +422,7 @@ def _quant_vec(yr, mnv, safe, lvf, af):
         af[d] = lvf if a > lvf else a
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", inline="always")
 def _quant_vec_res(yr, mnv, sv, safe, q, lvf, af, rf):
     """Anchor codes and residual codes + 8 of one row as floats, the twin's expressions in its order."""
     for d in range(yr.shape[0]):
@@ -436,7 +436,7 @@ def _quant_vec_res(yr, mnv, sv, safe, q, lvf, af, rf):
         rf[d] = z + _C8
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", inline="always")
 def _pack_f(cf, out):
     """Float codes (0..15) packed two per byte, low nibble first, into the slice ``out``. (Index a slice from 0:
     an offset index ``out[off + j]`` may be negative as far as numba knows, and its wraparound fix-up keeps the
@@ -503,7 +503,7 @@ def encode_f32_channel(src, tile_base, s_head, off_t, off_d, t_contig, d_contig,
 
 
 # ---- fp32 caches: decode by rows into a block buffer, stored in tile order ----------------------------------------
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", inline="always")
 def _dec_row(cb, mr, sr, out, packed):
     """Anchor values ``mn + s*a`` of one row (codes ``cb``, per-dim metadata ``mr``/``sr``)."""
     if packed:
@@ -516,7 +516,7 @@ def _dec_row(cb, mr, sr, out, packed):
             out[d] = mr[d] + sr[d] * np.float32(cb[d])
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", inline="always")
 def _dec_row_res(cb, rb, mr, sr, out):
     """Full values ``mn + (s/32)*(32a + 2r - 15)`` of one row (packed anchor ``cb``, residual ``rb``)."""
     for j in range(cb.shape[0]):
