@@ -103,10 +103,6 @@ def _wait_blocks_free(dep: Deployment, within: float) -> None:
 @needs_netns
 @pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
 @pytest.mark.timeout(1200)
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug (worker/scheduler, not the deployment): after D's pull fails ('KV load ... failed' logged, P's "
-    "lease frees its staging) the request stays in D's 'KV fetch: 1 in progress' and the proxy never answers; "
-    "the offline-engine test of the same policy passes"))
 def test_link_cut_gives_a_clear_error_then_recovers(deployment: Deployment) -> None:
     """The P-D veth blackholed (both directions) before a request: P prefills, D's pull stalls, after timeout_s
     kv_load_failure_policy=fail ends the request and the proxy answers with an OpenAI-style JSON error naming
