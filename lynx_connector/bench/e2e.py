@@ -456,6 +456,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from lynx_connector.models import prepare
 
     t_start = time.perf_counter()
+    env = common.environment_info()  # at the start: the code (git revision) and versions that ran
     quick = bool(args.quick)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
@@ -585,7 +586,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     result["checks"] = evaluate_targets(rows, ratios)
     result["wall_s"] = time.perf_counter() - t_start
-    result.update(common.environment_info())
+    result.update(env)
+    result["hardware"]["loadavg_start"] = result["hardware"].pop("loadavg", None)
+    result["hardware"]["loadavg"] = common.hardware_info()["loadavg"]  # at the end
     from lynx_connector.bench import report
 
     sys.stdout.write("\n" + report.e2e_markdown(result))

@@ -57,8 +57,9 @@ def environment_md(result: dict[str, Any]) -> str:
     v = result.get("versions", {})
     git = result.get("git", {})
     return (f"Hardware: {hw.get('cpu')} ({hw.get('usable_cores')} usable cores of {hw.get('cpu_count')}, "
-            f"{hw.get('mem_total_gib')} GiB), accelerator: {hw.get('accelerator') or 'none'}; load average at the "
-            f"end {hw.get('loadavg')} (shared machine). Versions: vllm {v.get('vllm')}, torch {v.get('torch')}, "
+            f"{hw.get('mem_total_gib')} GiB), accelerator: {hw.get('accelerator') or 'none'}; load average "
+            f"{'at the start ' + str(hw['loadavg_start']) + ', ' if hw.get('loadavg_start') else ''}at the end "
+            f"{hw.get('loadavg')} (shared machine). Versions: vllm {v.get('vllm')}, torch {v.get('torch')}, "
             f"nixl {v.get('nixl')}, lynx-connector {v.get('lynx-connector')}; git {str(git.get('commit'))[:10]}"
             f"{' (dirty)' if git.get('dirty') else ''}; {result.get('timestamp')}; wall {result.get('wall_s', 0):.0f} s.\n")
 
