@@ -39,6 +39,7 @@ logger = init_logger(__name__)
 
 MODES = ("bf16", "fp8", "int8", "int4", "int4_kivi", "anchor", "full", "speculative")
 TWO_STREAM = ("anchor", "full", "speculative")
+ROUND = 2  # requests per P -> D round (2 fp32 prompts of 2k tokens fit P's staging)
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
               "TOKENIZERS_PARALLELISM": "false"}
 # two-sided 95% t quantiles by degrees of freedom (normal beyond 30)
@@ -106,10 +107,13 @@ def _engine_main(conn: Any, kwargs: dict[str, Any], env: dict[str, str]) -> None
                 if out.prompt_logprobs is not None and score_from is not None:
                     ids = prompts[i]
                     plp = out.prompt_logprobs
+                    if c.finish_reason == "error":
+                        raise RuntimeError("the request failed on this engine (KV load failure?)")
                     if len(plp) != len(ids):
                         raise RuntimeError(f"prompt logprobs for {len(plp)} of {len(ids)} prompt tokens")
                     scored = [plp[j][ids[j]].logprob for j in range(score_from[i], len(ids))]
                 outs.append({"token_ids": list(c.token_ids), "text": c.text, "scored_logprobs": scored,
+                             "finish_reason": c.finish_reason,
                              "kv_transfer_params": out.kv_transfer_params,
                              "num_cached_tokens": out.num_cached_tokens})
             conn.send(("ok", outs))
@@ -198,29 +202,33 @@ def run_mode(p: Engine, d: Engine, mode: str, needles: list[Any], windows: list[
 
     t0 = time.perf_counter()
     contexts = [c for c, _ in windows]
-    p_prompts = [n.token_ids for n in needles] + contexts
-    pre = p.generate(p_prompts, [{"do_remote_decode": True, "lynx_mode": mode}] * len(p_prompts), max_tokens=1)
-    params = [o["kv_transfer_params"] for o in pre]
-    if not all(pp and pp.get("do_remote_prefill") for pp in params):
-        raise RuntimeError(f"P returned no transfer parameters for mode {mode}: {params}")
-    # vLLM would make D report P's own prefix-cache hits as its cached tokens; without the key D reports
-    # what it did not compute itself (its local hits plus the tokens loaded through the connector).
-    params = [{k: v for k, v in pp.items() if k != "remote_prefill_cached_tokens"} for pp in params]
-    nk = len(needles)
-    gen = d.generate([n.token_ids for n in needles], params[:nk], max_tokens=gen_tokens) if needles else []
-    scored: list[list[float]] = []
-    cached: list[int] = []
-    if windows:
-        outs = []
-        for (c, x), pp in zip(windows, params[nk:], strict=True):  # one at a time: a batch of them was not
-            outs += d.generate([c + x], [pp], score_from=[len(c) + 1], max_tokens=1,  # scored completely
-                               prompt_logprobs=0, skip_reading_prefix_cache=False, detokenize=False)
-        scored = [o["scored_logprobs"] for o in outs]
-        cached = [o["num_cached_tokens"] for o in outs]
-        for c, n_cached in zip(contexts, cached, strict=True):
-            if n_cached < len(c):
-                logger.warning("mode %s: D reports %d of %d context tokens not computed by itself; the "
-                               "perplexity may not measure the transfer", mode, n_cached, len(c))
+    # P -> D in small rounds: P's staging holds a request's planes until D has pulled them, and a round of
+    # fp32 (bf16-mode) prompts must fit it.
+    jobs: list[tuple[str, int]] = [("needle", i) for i in range(len(needles))] + [("window", i)
+                                                                                   for i in range(len(windows))]
+    gen: list[dict[str, Any]] = [{} for _ in needles]
+    scored: list[list[float]] = [[] for _ in windows]
+    cached: list[int] = [0 for _ in windows]
+    for k in range(0, len(jobs), ROUND):
+        batch = jobs[k:k + ROUND]
+        p_prompts = [needles[i].token_ids if kind == "needle" else contexts[i] for kind, i in batch]
+        pre = p.generate(p_prompts, [{"do_remote_decode": True, "lynx_mode": mode}] * len(batch), max_tokens=1)
+        params = [o["kv_transfer_params"] for o in pre]
+        if not all(pp and pp.get("do_remote_prefill") for pp in params):
+            raise RuntimeError(f"P returned no transfer parameters for mode {mode}: {params}")
+        # vLLM would make D report P's own prefix-cache hits as its cached tokens
+        params = [{key: v for key, v in pp.items() if key != "remote_prefill_cached_tokens"} for pp in params]
+        for (kind, i), pp in zip(batch, params, strict=True):
+            if kind == "needle":
+                gen[i] = d.generate([needles[i].token_ids], [pp], max_tokens=gen_tokens)[0]
+                if gen[i]["finish_reason"] == "error":
+                    raise RuntimeError(f"mode {mode}: D failed needle prompt {i} (KV load failure?)")
+            else:
+                c, x = windows[i]
+                out = d.generate([c + x], [pp], score_from=[len(c) + 1], max_tokens=1, prompt_logprobs=0,
+                                 skip_reading_prefix_cache=False, detokenize=False)[0]
+                scored[i] = out["scored_logprobs"]
+                cached[i] = out["num_cached_tokens"]
     needle_gen = [{"seed": n.seed, "context_tokens": n.context_tokens, "depth": n.depth,
                    "prompt_tokens": len(n.token_ids), "answer": n.answer, "text": g["text"],
                    "token_ids": g["token_ids"], "correct": needle_found(n.answer, g["text"]),
