@@ -21,6 +21,9 @@ from lynx_connector.presets import (
     preset_names,
 )
 
+# An existing local directory: with HF_HUB_OFFLINE=1 vLLM resolves a model id to a path while parsing.
+MODEL_DIR = str(Path(__file__).resolve().parent)
+
 # ---------------------------------------------------------------- presets (pure, no vLLM)
 
 
@@ -126,7 +129,7 @@ def serve_parser() -> argparse.ArgumentParser:
 def _kv(parser: argparse.ArgumentParser, *argv: str) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    args = parser.parse_args(["model-dir", *argv])
+    args = parser.parse_args([MODEL_DIR, "--model", MODEL_DIR, *argv])
     engine_args = AsyncEngineArgs.from_cli_args(args)
     return engine_args.kv_transfer_config
 
@@ -172,7 +175,7 @@ def test_hook_with_config_file(serve_parser: argparse.ArgumentParser, tmp_path: 
 def test_hook_bad_preset_is_a_parser_error(serve_parser: argparse.ArgumentParser,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
-        serve_parser.parse_args(["model-dir", "--kv-transfer-config", "lynx:int3"])
+        serve_parser.parse_args([MODEL_DIR, "--kv-transfer-config", "lynx:int3"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "unknown Lynx preset 'lynx:int3'" in err and "lynx:int8" in err

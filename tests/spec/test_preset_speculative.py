@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from lynx_connector.presets import NULL_PROPOSER, SPEC_SCHEDULER, preset_config, speculative_defaults
+
+# An existing local directory: with HF_HUB_OFFLINE=1 vLLM resolves a model id to a path while parsing.
+MODEL_DIR = str(Path(__file__).resolve().parent)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +30,7 @@ def serve_parser() -> argparse.ArgumentParser:
 def _engine_args(parser: argparse.ArgumentParser, *argv: str) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    return AsyncEngineArgs.from_cli_args(parser.parse_args(["model-dir", *argv]))
+    return AsyncEngineArgs.from_cli_args(parser.parse_args([MODEL_DIR, "--model", MODEL_DIR, *argv]))
 
 
 def test_defaults_only_for_speculative_lynx() -> None:

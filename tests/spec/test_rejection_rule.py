@@ -5,8 +5,30 @@ drafts (the anchor-precision model), the released token must be distributed exac
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
+
+# vLLM's CPU kernel-override registration (what the worker does at start-up) scans every loaded module and trips
+# over objects other test modules loaded into this session (numba's wrappers). These cases therefore run in a
+# fresh interpreter: in the main session one test re-runs this file in a subprocess.
+ISOLATED = os.environ.get("LYNX_ISOLATED_RUN") == "1"
+isolated_only = pytest.mark.skipif(not ISOLATED, reason="runs in a fresh subprocess")
+
+
+@pytest.mark.skipif(ISOLATED, reason="this is the subprocess")
+@pytest.mark.timeout(600)
+def test_rejection_rule_in_a_fresh_process() -> None:
+    env = dict(os.environ, LYNX_ISOLATED_RUN="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+                       capture_output=True, text=True, timeout=580)
+    tail = r.stdout[-4000:] + r.stderr[-2000:]
+    assert r.returncode == 0, tail
+    assert re.search(r"\b2 passed", r.stdout) and " failed" not in r.stdout, tail
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +61,7 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
 CHI2_DF5_P001 = 20.52  # chi-square critical value, 5 degrees of freedom, p = 0.001
 
 
+@isolated_only
 def test_released_token_follows_the_target_distribution(rejection_sample) -> None:
     torch.manual_seed(1234)
     n, vocab = 40_000, 6
@@ -57,6 +80,7 @@ def test_released_token_follows_the_target_distribution(rejection_sample) -> Non
     assert bool(((out[:, 1] >= 0) == accepted).all())
 
 
+@isolated_only
 def test_greedy_keeps_the_agreeing_prefix_and_corrects(rejection_sample) -> None:
     from vllm.v1.sample.logits_processor import LogitsProcessors  # noqa: F401
 
