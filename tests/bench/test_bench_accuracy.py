@@ -80,7 +80,8 @@ def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
             assert mode == "speculative"
             continue
         assert r["needle"]["n"] >= 1 and 0 <= r["needle"]["accuracy"] <= 1
-        assert r["perplexity"]["ppl"] > 1 and r["perplexity"]["tokens"] > 0
+        if mode != "speculative":  # decode-time speculation: prompt scoring is full mode's (same planes)
+            assert r["perplexity"]["ppl"] > 1 and r["perplexity"]["tokens"] > 0
         assert r["greedy"]["n"] == r["needle"]["n"]
     # lossless transfer of the fp32 cache: bf16 is the reference, full precision lynx stays close to it
     assert result["modes"]["full"]["perplexity"]["ppl"] == pytest.approx(result["modes"]["bf16"]["perplexity"]["ppl"],
