@@ -3,6 +3,7 @@ connector's worker half are reachable from ``llm``)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 
@@ -78,12 +79,17 @@ def abort_while_speculating(llm: Any, prompt: list[int], params: dict[str, Any],
     engine.add_request("abort-me", {"prompt_token_ids": prompt},
                        SamplingParams(temperature=0.0, max_tokens=64, extra_args={"kv_transfer_params": params}))
     held, outputs = 0, []
-    for _ in range(max_steps):
+    # Bounded by time, not by a step count: steps without a forward (the anchor still in flight) take
+    # microseconds, so any fixed number of them can end before the anchor lands on a quiet machine.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
         outputs.extend(engine.step())
         st = _spec_state(sched, "abort-me")
         held = len(st.held) if st is not None else 0
         if held >= hold:
             break
+        if st is None:
+            time.sleep(0.005)
     released = [list(o.outputs[0].token_ids) for o in outputs if o.outputs]
     engine.abort_request(["abort-me"])
     for _ in range(max_steps):
