@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from lynx_connector.codec import (
     merge_residual,
     plane_nbytes,
 )
+from tests.rerun import rerun_in_subprocess
 
 triton = pytest.importorskip("triton")
 
@@ -35,12 +34,8 @@ interpreter_only = pytest.mark.skipif(not IN_INTERPRETER, reason="runs in the in
 @pytest.mark.skipif(IN_INTERPRETER, reason="this is the subprocess")
 @pytest.mark.timeout(900)
 def test_triton_twins_in_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                       capture_output=True, text=True, timeout=880)
-    tail = r.stdout[-4000:] + r.stderr[-2000:]
-    assert r.returncode == 0, tail
-    assert re.search(r"\b[1-9][0-9]* passed", r.stdout) and " failed" not in r.stdout, tail
+    out = rerun_in_subprocess(__file__, {"TRITON_INTERPRET": "1"}, timeout=880)
+    assert re.search(r"\b[1-9][0-9]* passed", out), out[-4000:]
 
 
 H, BS = 2, 32

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.rerun import rerun_in_subprocess
 
 # vLLM's CPU kernel-override registration (what the worker does at start-up) scans every loaded module and trips
 # over objects other test modules loaded into this session (numba's wrappers). These cases therefore run in a
@@ -23,12 +23,8 @@ isolated_only = pytest.mark.skipif(not ISOLATED, reason="runs in a fresh subproc
 @pytest.mark.skipif(ISOLATED, reason="this is the subprocess")
 @pytest.mark.timeout(600)
 def test_rejection_rule_in_a_fresh_process() -> None:
-    env = dict(os.environ, LYNX_ISOLATED_RUN="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                       capture_output=True, text=True, timeout=580)
-    tail = r.stdout[-4000:] + r.stderr[-2000:]
-    assert r.returncode == 0, tail
-    assert re.search(r"\b2 passed", r.stdout) and " failed" not in r.stdout, tail
+    out = rerun_in_subprocess(__file__, {"LYNX_ISOLATED_RUN": "1"}, timeout=580)
+    assert re.search(r"\b2 passed", out), out[-4000:]
 
 
 @pytest.fixture(scope="module")
