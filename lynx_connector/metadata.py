@@ -99,9 +99,12 @@ class RemotePrefill:
     ports: tuple[int, ...]
     num_tokens: int
     mode: str
+    #: The token P sampled after the prompt (full-precision KV), when it sampled one. A speculative D releases
+    #: it as soon as the anchor lands (lynx_connector.spec.scheduler); the other modes ignore it.
+    first_token: int | None = None
 
     def to_params(self) -> dict[str, Any]:
-        return {
+        params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
@@ -113,6 +116,9 @@ class RemotePrefill:
             "lynx_mode": self.mode,
             "lynx_version": LYNX_PARAMS_VERSION,
         }
+        if self.first_token is not None:
+            params["lynx_first_token"] = self.first_token
+        return params
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> RemotePrefill:
@@ -147,5 +153,8 @@ class RemotePrefill:
             raise InvalidTransferParams(f"lynx_mode {mode!r} is not one of {', '.join(MODES)}")
         if not (0 < len(host) <= 255 and 0 < len(request_id) <= 1024 and 0 < len(engine_id) <= 256):
             raise InvalidTransferParams("remote_host/remote_request_id/remote_engine_id empty or too long")
+        first = params.get("lynx_first_token")
+        if first is not None and (not isinstance(first, int) or isinstance(first, bool) or not 0 <= first < 2**31):
+            raise InvalidTransferParams(f"lynx_first_token must be a token id, got {first!r}")
         return cls(engine_id=engine_id, request_id=request_id, host=host, ports=tuple(ports),
-                   num_tokens=num_tokens, mode=mode)
+                   num_tokens=num_tokens, mode=mode, first_token=first)

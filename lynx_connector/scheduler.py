@@ -73,6 +73,8 @@ class LynxConnectorScheduler:
         self.spec_pending: set[str] = set()
         self.residual_failed: set[str] = set()
         self._recv_cancelled: list[str] = []
+        #: The token P sampled after the prompt, for speculative requests (taken by LynxSpecScheduler).
+        self.spec_first_token: dict[str, int] = {}
         self._test_hooks: dict[str, dict[str, Any]] = {}
         self._warned_no_spec = False
 
@@ -156,6 +158,8 @@ class LynxConnectorScheduler:
             self._recv_inflight.add(request.request_id)
             if mode == "speculative":
                 self.spec_pending.add(request.request_id)
+                if remote.first_token is not None:
+                    self.spec_first_token[request.request_id] = remote.first_token
             hooks = parse_test_hooks(request.request_id, params)
             if hooks:
                 self._test_hooks[request.request_id] = hooks
@@ -248,6 +252,7 @@ class LynxConnectorScheduler:
         self._local_hits.pop(req_id, None)
         self.residual_merged.discard(req_id)
         self.residual_failed.discard(req_id)
+        self.spec_first_token.pop(req_id, None)
         if req_id in self._recv_inflight or req_id in self.spec_pending:
             # D: aborted while its KV is in flight (for a speculative request: until its residual is merged).
             # Keep the blocks until the worker has cancelled the pull (it then reports the request in
@@ -281,5 +286,6 @@ class LynxConnectorScheduler:
             ports=tuple(self._side_channel_ports),
             num_tokens=request.num_prompt_tokens,
             mode=mode,
+            first_token=request.output_token_ids[0] if request.num_output_tokens else None,
         )
         return False, remote.to_params()

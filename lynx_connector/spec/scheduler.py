@@ -18,6 +18,14 @@ A vLLM ``Scheduler`` subclass. For a request whose KV arrives in ``speculative``
    agrees). Released tokens go through vLLM's own stop checks, logprobs and outputs: they are those of
    the verification pass.
 
+First token: P sampled one token after the prompt at full precision and passes it in ``kv_transfer_params``
+(``lynx_first_token``). For a greedy request without logprobs, when D's first token on the anchor equals
+P's, it is released at once (it *is* the full-precision token): time to first token becomes that of the
+anchor. It is then committed: verification rewinds to the last prompt token, recomputes it and the
+committed token on the refined KV and verifies the held tokens after it. When the two differ (or for
+sampled requests, whose output distribution must stay exactly the full-precision one, and requests asking
+for logprobs, which must come from a full-precision pass) the first token is held and verified like the rest.
+
 Needs ``speculative_config = {"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": K}``
 (switches the verification machinery on, forces MRV1 and synchronous scheduling). Prefix caching is
 switched off on an instance that runs this scheduler (anchor-precision blocks must never be shared, and the
@@ -30,6 +38,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from vllm.sampling_params import SamplingType
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.sched.utils import check_stop
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
@@ -141,7 +150,7 @@ class LynxSpecScheduler(Scheduler):
             return
         if st.phase is not Phase.ANCHOR:
             return
-        if not st.held:
+        if not st.held and not st.committed:
             self._finish_speculation(st)
             return
         if req.status != RequestStatus.RUNNING:  # defensive: anchor-phase requests are running or preempted
@@ -149,7 +158,9 @@ class LynxSpecScheduler(Scheduler):
             self._drop_held(req, st)
             self._spec.pop(req_id, None)
             return
-        self._truncate_to_prompt(req)
+        # Recompute the last prompt token (its KV was computed over the anchor) and any committed token; the
+        # held tokens after them are the drafts (none: the pass just decodes the next token at full precision).
+        self._truncate_to_prompt(req, keep=st.committed)
         req.num_computed_tokens = req.num_prompt_tokens - 1
         st.phase = Phase.VERIFY
         req.spec_token_ids = list(st.next_chunk(self._k))
@@ -161,10 +172,18 @@ class LynxSpecScheduler(Scheduler):
         req_id = request.request_id
         st = self._spec.get(req_id)
         if st is None and self._lynx is not None and req_id in self._lynx.spec_pending:
-            self._spec[req_id] = st = SpecState(req_id)
+            self._spec[req_id] = st = SpecState(req_id, prefill_token=self._prefill_token(request))
         if st is None:
             return super()._update_request_with_output(request, new_token_ids, is_stale)
         if st.phase is Phase.ANCHOR:
+            if (new_token_ids and not st.committed and not st.held and st.prefill_token is not None
+                    and new_token_ids[0] == st.prefill_token):
+                # D's first token on the anchor is P's full-precision token: release it now.
+                st.committed = 1
+                released, stopped = super()._update_request_with_output(request, new_token_ids[:1], is_stale)
+                if stopped or len(new_token_ids) == 1:
+                    return released, stopped
+                new_token_ids = new_token_ids[1:]  # (cannot happen: no drafts in the anchor phase)
             for tok in new_token_ids:
                 if st.would_stop or len(st.held) >= self._cap:
                     break  # cannot happen (such requests are not scheduled); never hold past the cap
@@ -181,6 +200,15 @@ class LynxSpecScheduler(Scheduler):
         else:
             self._finish_speculation(st)
         return super()._update_request_with_output(request, new_token_ids, is_stale)
+
+    def _prefill_token(self, request: Request) -> int | None:
+        """P's first token, when this request may release it early (greedy, no logprobs)."""
+        assert self._lynx is not None
+        tok = self._lynx.spec_first_token.pop(request.request_id, None)
+        sp = request.sampling_params
+        if tok is None or sp is None or sp.sampling_type != SamplingType.GREEDY or sp.logprobs is not None:
+            return None
+        return tok
 
     def _finish_speculation(self, st: SpecState) -> None:
         self._spec.pop(st.req_id, None)
@@ -241,16 +269,16 @@ class LynxSpecScheduler(Scheduler):
             req.num_computed_tokens = 0
             self.waiting.prepend_request(req)
 
-    def _truncate_to_prompt(self, req: Request) -> None:
-        """Forget every output token of a request whose outputs are all unreleased (held)."""
-        plen = req.num_prompt_tokens
-        del req._output_token_ids[:]
-        del req._all_token_ids[plen:]
-        del req.block_hashes[plen // (self.hash_block_size or self.block_size):]
+    def _truncate_to_prompt(self, req: Request, keep: int = 0) -> None:
+        """Forget every output token of a request but the first ``keep`` (released); the others are held."""
+        end = req.num_prompt_tokens + keep
+        del req._output_token_ids[keep:]
+        del req._all_token_ids[end:]
+        del req.block_hashes[end // (self.hash_block_size or self.block_size):]
 
     def _drop_held(self, req: Request, st: SpecState) -> None:
         if st.phase is Phase.ANCHOR and st.held:
-            self._truncate_to_prompt(req)
+            self._truncate_to_prompt(req, keep=st.committed)
         req.spec_token_ids = []
 
     # ---- preemption, finish, stats --------------------------------------------------------------------------

@@ -17,6 +17,11 @@ class Phase(enum.Enum):
 class SpecState:
     req_id: str
     phase: Phase = Phase.ANCHOR
+    #: The token P sampled after the prompt at full precision (from kv_transfer_params), if usable here.
+    prefill_token: int | None = None
+    #: Output tokens released before verification: 1 when D's first token on the anchor equals P's token
+    #: (P's token is full-precision decoding, so it is released at once; verification starts after it).
+    committed: int = 0
     #: Tokens sampled on the anchor, in order (never sent to the client before verification).
     held: list[int] = field(default_factory=list)
     #: A stop condition (EOS, stop token, max_tokens, max_model_len) fired on a held token: decode no further.
@@ -64,4 +69,5 @@ class SpecState:
 
     def summary(self) -> dict[str, int]:
         return {"speculated": self.speculated, "accepted": self.accepted, "rejected": self.rejected,
-                "verify_passes": self.passes, "capped_steps": self.capped_steps}
+                "verify_passes": self.passes, "capped_steps": self.capped_steps,
+                "first_token_early": self.committed}

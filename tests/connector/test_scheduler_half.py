@@ -38,9 +38,10 @@ def make_sched(**extra):
     return s, mgr
 
 
-def req(req_id, n_prompt, params, computed=0, status=RequestStatus.RUNNING):
+def req(req_id, n_prompt, params, computed=0, status=RequestStatus.RUNNING, outputs=()):
     return SimpleNamespace(request_id=req_id, num_prompt_tokens=n_prompt, num_computed_tokens=computed,
-                           kv_transfer_params=params, status=status)
+                           kv_transfer_params=params, status=status, output_token_ids=list(outputs),
+                           num_output_tokens=len(outputs))
 
 
 def sched_out(**n):
@@ -67,10 +68,28 @@ def test_prefill_side_encodes_when_prompt_completes_and_returns_params():
     # saved once only
     assert s.build_connector_meta(sched_out(**{"p-1": 1})).reqs_to_save == []
     r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    r.output_token_ids, r.num_output_tokens = [4242], 1  # the token P sampled after the prompt
     hold, params = s.request_finished(r, [7, 3, 9])
     assert hold is False  # P never holds its blocks: the planes live in staging
     rp = RemotePrefill.from_params(params)
     assert (rp.host, rp.ports, rp.request_id, rp.num_tokens) == ("10.1.2.3", (5555,), "p-1", 70)
+    assert rp.first_token == 4242 and params["lynx_first_token"] == 4242
+
+
+def test_first_token_is_kept_for_speculative_pulls_only():
+    s, _ = make_sched()
+    s.speculation_enabled = True
+    for rid, mode in (("d-s", "speculative"), ("d-f", "full")):
+        r = req(rid, 64, remote_params(64, lynx_mode=mode, lynx_first_token=77))
+        r.use_structured_output = False
+        s.get_num_new_matched_tokens(r, 0)
+        s.update_state_after_alloc(r, FakeBlocks([1, 2]), 64)
+    assert s.spec_first_token == {"d-s": 77}
+    r.status = RequestStatus.FINISHED_ABORTED
+    s.request_finished(req("d-s", 64, None, status=RequestStatus.FINISHED_ABORTED), [1, 2])
+    assert s.spec_first_token == {}
+    # P without a sampled token (no outputs): no first token in the params, D holds its first token
+    assert "lynx_first_token" not in remote_params(64)
 
 
 def test_prefill_side_abort_drops_staging():
@@ -137,6 +156,9 @@ def test_finished_recving_clears_inflight_and_merged_signal_is_collected():
     {"remote_host": ""},
     {"lynx_ports": [0]},
     {"remote_request_id": 12},
+    {"lynx_first_token": "7"},
+    {"lynx_first_token": -1},
+    {"lynx_first_token": True},
 ])
 def test_malformed_params_fall_back_to_local_prefill(bad):
     s, _ = make_sched()

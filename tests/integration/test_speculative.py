@@ -123,6 +123,25 @@ def test_greedy_speculative_equals_full(engines, prompts, delay, record_property
             assert s["verify_passes"] >= 1 + (s["accepted"] > K)
 
 
+@pytest.mark.parametrize("delay", [3, CAP + 4], ids=["after-3-tokens", "after-the-cap"])
+def test_first_token_from_prefill_released_on_the_anchor(engines, prompts, delay):
+    """Greedy without logprobs: D's first token on the anchor equals the token P sampled at full precision, so it
+    is released at once and verification starts after it. Outputs still equal full mode's."""
+    p, d = engines
+    ids = [pr.token_ids for pr in prompts]
+    sampling = dict(max_tokens=CAP + 6, ignore_eos=True)
+    ref = reference(p, d, ids, "long-nologprobs", **sampling)
+    params = prefill(p, ids, "speculative", {"delay_residual_steps": delay})
+    assert all(pp["lynx_first_token"] == r["token_ids"][0] for pp, r in zip(params, ref, strict=True))
+    out = d.generate(ids, params, **sampling)
+    for o, r in zip(out, ref, strict=True):
+        assert o["token_ids"] == r["token_ids"]
+        c = counters(o)
+        assert c["first_token_early"] == 1
+        # ``delay`` anchor steps: the first gave the released token, the others held ones (at most the cap)
+        assert c["speculated"] == min(delay - 1, CAP) and c["accepted"] + c["rejected"] == c["speculated"]
+
+
 def test_eos_and_max_tokens_during_speculation(engines, prompts):
     """The short needle answers end in EOS while decoding on the anchor; max_tokens=5 is reached there too.
     Stops are judged on verified tokens only: outputs and finish reasons equal full mode's."""
@@ -138,7 +157,8 @@ def test_eos_and_max_tokens_during_speculation(engines, prompts):
     for o, r in zip(out5, ref, strict=True):  # greedy: full mode with max_tokens=5 is the prefix of 5
         assert len(r["token_ids"]) > 5
         assert o["token_ids"] == r["token_ids"][:5] and o["finish_reason"] == "length"
-        assert counters(o)["speculated"] == 5
+        c = counters(o)  # P's first token is released at once when D's anchor agrees; the other 4 are held
+        assert c["speculated"] + c["first_token_early"] == 5
 
 
 def _first_divergence(a: list[int], b: list[int]) -> int:
@@ -156,7 +176,9 @@ def test_corrupted_residual_is_rejected_and_corrected(engines, prompts, record_p
     quantization cells, so they may agree with the anchor for a while); it is recorded next to the sound one."""
     p, d = engines
     ids = [pr.token_ids for pr in prompts]
-    sampling = dict(max_tokens=CAP + 4, ignore_eos=True)
+    # logprobs requested: the first token is held and verified too (P's token comes from the uncorrupted KV,
+    # so releasing it would not be "full mode on the same corrupted KV").
+    sampling = dict(max_tokens=CAP + 4, ignore_eos=True, logprobs=1)
     bad = {"corrupt_residual": True}
     ref_bad = run(p, d, ids, "full", bad, **sampling)
     ref_ok = reference(p, d, ids, "long", **LONG)
@@ -179,8 +201,10 @@ def test_residual_failure_fails_the_request_without_hang(engines, prompts):
     p, d = engines
     ids = [prompts[0].token_ids]
     t0 = time.monotonic()
-    out = run(p, d, ids, "speculative", {"fail_residual": True, "delay_residual_steps": 4}, max_tokens=16)
-    assert out[0]["finish_reason"] == "error" and out[0]["token_ids"] == [], out
+    params = prefill(p, ids, "speculative", {"fail_residual": True, "delay_residual_steps": 4})
+    out = d.generate(ids, params, max_tokens=16)
+    # Only P's full-precision first token may have been released (on the anchor), never a held one.
+    assert out[0]["finish_reason"] == "error" and out[0]["token_ids"] in ([], [params[0]["lynx_first_token"]]), out
     assert time.monotonic() - t0 < 60
     st = d.call(f"{PROBES}:state")
     assert st["requests"] == [] and st["spec"] == [] and st["spec_pending"] == [] and st["worker_recvs"] == []
@@ -191,7 +215,8 @@ def test_abort_while_speculating_releases_blocks_and_staging(engines, prompts):
     params = prefill(p, [prompts[1].token_ids], "speculative", {"delay_residual_steps": 1000})[0]
     res = d.call(f"{PROBES}:abort_while_speculating", prompts[1].token_ids, params, 5)
     assert res["held"] >= 5
-    assert all(r == [] for r in res["released"])  # nothing unverified reached the client
+    # Nothing unverified reached the client: only P's full-precision first token, released on the anchor.
+    assert res["released"] and all(r == [params["lynx_first_token"]] for r in res["released"]), res["released"]
     assert res["requests"] == [] and res["spec"] == [] and res["spec_pending"] == [] and res["worker_recvs"] == []
     assert res["free_blocks"] == res["free_before"]  # blocks were held until the worker confirmed, then freed
     assert res["staging_live"] in (0, None)
