@@ -30,6 +30,8 @@ QUESTION_TEMPLATE = (
     "What is the special magic number for {city} mentioned in the text above? Answer with the number."
 )
 ANSWER_PREFIX_TEMPLATE = "The special magic number for {city} is"
+#: Long-answer task (latency benchmarks need 64+ natural tokens; a needle answer ends after ~15).
+SUMMARY_INSTRUCTION = "Write a detailed summary of the essay above in several paragraphs."
 CITIES = (
     "Chicago", "Lisbon", "Nairobi", "Osaka", "Montreal", "Krakow", "Santiago", "Hanoi",
     "Oslo", "Cairo", "Dublin", "Lima", "Seoul", "Zagreb", "Perth", "Tbilisi",
@@ -179,3 +181,32 @@ def build_needle_prompt(
 def needle_found(expected: str, generated: str) -> bool:
     """True when the expected number appears as a whole number in the generated text."""
     return re.search(rf"(?<!\d){re.escape(expected)}(?!\d)", generated) is not None
+
+
+@dataclass(frozen=True)
+class SummaryPrompt:
+    """A long-answer trial: ``context_tokens`` of essays starting at essay ``seed`` (mod the number of essays),
+    then :data:`SUMMARY_INSTRUCTION`. No expected answer (``answer`` is None)."""
+
+    prompt: str
+    token_ids: list[int]
+    context_tokens: int
+    seed: int
+    answer: str | None = None
+    depth: float | None = None
+
+
+def build_summary_prompt(tokenizer: Any, context_tokens: int, seed: int = 0) -> SummaryPrompt:
+    """A chat prompt asking for a detailed summary of essay text (the model answers with 64+ tokens of prose)."""
+    if context_tokens <= 0:
+        raise ValueError(f"context_tokens must be > 0, got {context_tokens}")
+    files = essay_files()
+    if not files:
+        raise FileNotFoundError(f"no essays found in {essays_dir()}")
+    start = seed % len(files)
+    corpus = ESSAY_SEP.join(f.read_text(encoding="utf-8").strip() for f in files[start:] + files[:start])
+    ids = _encode(tokenizer, _cut_at_word_end(corpus, context_tokens * _CHARS_PER_TOKEN))[:context_tokens]
+    messages = [{"role": "user", "content": f"{tokenizer.decode(ids)}\n\n{SUMMARY_INSTRUCTION}"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return SummaryPrompt(prompt=prompt, token_ids=_encode(tokenizer, prompt), context_tokens=context_tokens,
+                         seed=seed)

@@ -267,6 +267,17 @@ def test_needle_prompt_without_answer_prefix(tokenizer) -> None:
         data.build_needle_prompt(tokenizer, 512, 1.5)
 
 
+def test_summary_prompt_uses_a_different_essay_per_seed(tokenizer) -> None:
+    a, b = (data.build_summary_prompt(tokenizer, 512, seed=s) for s in (0, 1))
+    assert a.prompt.endswith(f"{data.SUMMARY_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n")
+    assert a.token_ids == tokenizer.encode(a.prompt, add_special_tokens=False)
+    assert 512 < len(a.token_ids) < 512 + 80 and a.answer is None
+    assert a.token_ids[:60] != b.token_ids[:60] or a.token_ids[60:300] != b.token_ids[60:300]
+    assert data.build_summary_prompt(tokenizer, 512, seed=0) == a  # deterministic
+    with pytest.raises(ValueError):
+        data.build_summary_prompt(tokenizer, 0)
+
+
 def test_needle_found() -> None:
     assert data.needle_found("4696", " 4696.")
     assert not data.needle_found("4696", " 46961")

@@ -6,9 +6,11 @@ essays), every transfer mode on one P/D pair (each request names its mode), the 
 2. Link rates are chosen so that the bf16-mode transfer of the reference prompt takes ``--ratios`` (0.5, 2, 10)
    times that prefill: the compute-dominated, balanced and transfer-dominated regimes. Each rate is a server
    restart (the rate is start-up configuration of D's transport).
-3. Per rate: concurrency 1 (several prompt lengths, repeated needle prompts) and concurrency 4 (4 different
-   prompts at once, so the anchor-first priority across requests is exercised), every mode, 64 greedy tokens
-   with EOS ignored. Client-side times (through the proxy): TTFT, TT32T, TT64T; D's Prometheus counters give
+3. Per rate: concurrency 1 (several prompt lengths, repeated prompts) and concurrency 4 (4 different
+   prompts at once, so the anchor-first priority across requests is exercised), every mode, 64 greedy tokens.
+   Task ``summary`` (default): "write a detailed summary" of essay text, whose natural answers run past 64
+   tokens (EOS is still ignored so every request yields 64); ``needle``: needle questions, whose ~15-token
+   answers are followed by EOS-ignored filler (speculation acceptance there measures the filler). Client-side times (through the proxy): TTFT, TT32T, TT64T; D's Prometheus counters give
    the bytes that crossed the link and the speculated/accepted tokens.
 4. Per row the ideal TTFT = measured prefill + bytes needed before the first released token / link rate
    (requests of a concurrent batch prefilled one after another on P, the link serving them in order), and
@@ -81,8 +83,9 @@ CACHE_DTYPES = ("float32", "bfloat16", "float16")
 def wire_bytes(mode: str, num_tokens: int, shape: ModelShape, cache_dtype: str = "float32") -> tuple[int, int]:
     """``(bytes needed before the first client-visible token, bytes on the wire)`` for one request.
 
-    anchor: the residual is never pulled. speculative: tokens decoded on the anchor are held until the residual
-    has landed and verified them, so the first released token needs both planes, like full."""
+    anchor: the residual is never pulled. speculative (greedy): the first token is P's, released when D's
+    first token on the anchor agrees with it, so it needs the anchor plane only; the later ones wait for the
+    residual (verification)."""
     import torch
 
     from lynx_connector.codec import get_codec
@@ -92,6 +95,8 @@ def wire_bytes(mode: str, num_tokens: int, shape: ModelShape, cache_dtype: str =
     a, r = a * shape.layers, r * shape.layers
     if mode == "anchor":
         return a, a
+    if mode == "speculative":
+        return a, a + r
     return a + r, a + r
 
 
@@ -174,7 +179,8 @@ def _one_request(url: str, model: str, prompt: Any, mode: str, max_tokens: int) 
     return {"mode": mode, "prompt_tokens": len(prompt.token_ids), "seed": prompt.seed, "depth": prompt.depth,
             "ttft_s": res.ttft, "tt32_s": res.time_to_token(32), "tt64_s": res.time_to_token(64),
             "tokens": len(res.token_times), "total_s": res.total_s, "error": res.error,
-            "needle_found": res.error is None and needle_found(prompt.answer, res.text),
+            "needle_found": (None if prompt.answer is None
+                             else res.error is None and needle_found(prompt.answer, res.text)),
             "text_sha1": hashlib.sha1(res.text.encode()).hexdigest()[:12]}
 
 
@@ -290,7 +296,8 @@ def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbp
     row["speculated"] = int(drafted) if mode == "speculative" else None
     row["accepted"] = int(accepted or 0) if mode == "speculative" else None
     row["acceptance"] = (accepted / drafted) if mode == "speculative" and drafted else None
-    row["needle_accuracy"] = sum(r["needle_found"] for r in got) / len(got)
+    found = [r["needle_found"] for r in got if r.get("needle_found") is not None]
+    row["needle_accuracy"] = sum(found) / len(found) if found else None
     return row
 
 
@@ -430,9 +437,14 @@ def restart_decode(dep: Any, model: str, gbps: float | None, spec_args: list[str
 
 
 # ---- the benchmark ---------------------------------------------------------------------------------------------
-def build_prompts(tok: Any, lengths: list[int], count: int) -> dict[int, list[Any]]:
-    from lynx_connector.data import build_needle_prompt
+TASKS = ("summary", "needle")
 
+
+def build_prompts(tok: Any, lengths: list[int], count: int, task: str = "summary") -> dict[int, list[Any]]:
+    from lynx_connector.data import build_needle_prompt, build_summary_prompt
+
+    if task == "summary":  # a different essay per prompt
+        return {n: [build_summary_prompt(tok, n, seed=7 * i + n // 1024) for i in range(count)] for n in lengths}
     depths = (0.2, 0.5, 0.8, 0.35, 0.65, 0.1, 0.9, 0.45)
     return {n: [build_needle_prompt(tok, n, depth=depths[i % len(depths)], seed=1000 + 17 * n + i)
                 for i in range(count)] for n in lengths}
@@ -479,7 +491,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shape = model_shape(model)
     tok = AutoTokenizer.from_pretrained(model)
     all_lengths = sorted(set(lengths + ([conc_length] if max(conc) > 1 else [])))
-    prompts = build_prompts(tok, all_lengths, max(repeats, max(conc)))
+    prompts = build_prompts(tok, all_lengths, max(repeats, max(conc)), args.task)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="lynx-bench-e2e-"))
     ref_tokens = args.ref_tokens or conc_length
     explicit = [float(x) for x in args.link_gbps.split(",")] if args.link_gbps else None
@@ -574,7 +586,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      f"{8 * (4 if plan.cache_dtype == 'float32' else 2)} bits/value)",
         "config": {"modes": modes, "lengths": lengths, "repeats": repeats, "concurrency": conc,
                    "conc_length": conc_length, "max_tokens": args.max_tokens, "ratios": ratios,
-                   "ref_tokens": ref_tokens, "explicit_link_gbps": explicit, "conc_ratios": conc_ratios, "ignore_eos": True,
+                   "ref_tokens": ref_tokens, "explicit_link_gbps": explicit, "conc_ratios": conc_ratios,
+                   "task": args.task, "ignore_eos": True,
                    "temperature": 0.0, "max_model_len": max_len, "serve_args": list(plan.serve_args),
                    "p_cpus": plan.p_cpus, "d_cpus": plan.d_cpus},
         "speculative": {"available": spec_available, "note": spec_note},
@@ -670,6 +683,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--unpaced-runs", action="store_true", help="also run every mode on the unpaced link "
                    "(the calibration deployment; by default it only measures the prefill)")
     p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per request (EOS ignored)")
+    p.add_argument("--task", default="summary", choices=TASKS, help="prompts: detailed summaries of essays "
+                   "(long natural answers, default) or needle questions (short answers)")
     p.add_argument("--log-dir", default=None, help="server logs (default: a temporary folder)")
     p.add_argument("--model", default=None, help="model path (default: the prepared SmolLM2-135M-Instruct)")
     p.add_argument("--serve-args", default=None, help="extra `lynx serve` arguments for P and D, one string; "

@@ -69,11 +69,16 @@ def _mode_key(mode: str) -> int:
 
 
 # ---- e2e ------------------------------------------------------------------------------------------------------
+TASK_LABEL = {"summary": "detailed summaries of Paul Graham essays (long natural answers)",
+              "needle": "needle questions in Paul Graham essays (short answers, then EOS-ignored filler)"}
+
+
 def e2e_markdown(result: dict[str, Any]) -> str:
     cfg = result.get("config", {})
     out = [f"## lynx bench e2e{' (quick)' if result.get('quick') else ''}\n",
            f"Model {result.get('model')} (fp32 cache, CPU), real 1P1D through the proxy, {cfg.get('max_tokens')} "
-           f"greedy tokens per request (EOS ignored). {result.get('bf16_note', '')}. Speculative mode: "
+           f"greedy tokens per request (EOS ignored), prompts: "
+           f"{TASK_LABEL.get(cfg.get('task', 'needle'), cfg.get('task'))}. {result.get('bf16_note', '')}. Speculative mode: "
            f"{'available' if result.get('speculative', {}).get('available') else 'NOT AVAILABLE'} "
            f"({result.get('speculative', {}).get('note')}).\n",
            environment_md(result), "\n### Link rates\n"]
@@ -100,7 +105,7 @@ def e2e_markdown(result: dict[str, Any]) -> str:
                       r["ideal_ttft_s"], r["ttft_vs_ideal"],
                       None if r.get("acceptance") is None else f"{r['acceptance']:.1%}",
                       None if r.get("output_equal_full") is None else f"{r['output_equal_full']:.0%}",
-                      f"{r['needle_accuracy']:.0%}"])
+                      None if r.get("needle_accuracy") is None else f"{r['needle_accuracy']:.0%}"])
     out.append(_md_table(headers, table))
     out.append("\nideal TTFT: " + result.get("ideal_model", "") + ". `=full`: share of requests whose text equals "
                "the full mode's for the same prompt. `needle`: share of answers containing the needle number.\n")

@@ -37,7 +37,8 @@ def test_wire_bytes_order_and_bits() -> None:
     int8, int4 = e2e.wire_bytes("int8", n, SHAPE)[1], e2e.wire_bytes("int4", n, SHAPE)[1]
     anchor, full, spec = (e2e.wire_bytes(m, n, SHAPE) for m in ("anchor", "full", "speculative"))
     assert int4 < anchor[1] < int8 < full[1] < bf16
-    assert full == spec  # a speculative request releases its first token after the residual verified it
+    # a greedy speculative request releases P's first token once the anchor has landed; the rest after the residual
+    assert spec[1] == full[1] and spec[0] == anchor[0] < full[0]
     assert anchor[0] == anchor[1]  # anchor mode never pulls the residual
 
 
@@ -74,6 +75,8 @@ def test_summarize_cell_and_equality() -> None:
     full = [_req("full", 1.0, 1, "x"), _req("full", 2.0, 2, "z")]
     everything = reqs + full
     e2e.mark_output_equality(everything)
+    summary = [dict(_req("int8", 1.0), needle_found=None)]  # summary prompts have no needle
+    assert e2e.summarize_cell(summary, "int8", 1024, 1, 0.1, "r", 0.5, SHAPE, {})["needle_accuracy"] is None
     assert [r["output_equal_full"] for r in reqs] == [True, False]
     rows = [row]
     e2e.equality_by_row(rows, everything)
