@@ -10,7 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 _LIST_KEYS = ("anchor_bytes", "anchor_s", "residual_bytes", "residual_s", "request_s",
               "encode_anchor_bytes", "encode_residual_bytes", "encode_s",
-              "spec_drafted", "spec_accepted")
+              "spec_drafted", "spec_accepted", "spec_early")
 _COUNT_KEYS = ("failed_load", "failed_stage", "failed_nonfinite")
 
 
@@ -42,9 +42,12 @@ class LynxStats(KVConnectorStats):
     def record_failure(self, kind: str) -> None:
         self.data[f"failed_{kind}"] += 1
 
-    def record_speculation(self, drafted: int, accepted: int) -> None:
+    def record_speculation(self, drafted: int, accepted: int, early: int = 0) -> None:
+        """One speculative request: tokens decoded on the anchor and held, how many verification accepted, and
+        ``early`` tokens released on the anchor (P's full-precision first token)."""
         self.data["spec_drafted"].append(int(drafted))
         self.data["spec_accepted"].append(int(accepted))
+        self.data["spec_early"].append(int(early))
 
     # ---- KVConnectorStats protocol ----
     def reset(self) -> None:
@@ -86,6 +89,7 @@ class LynxStats(KVConnectorStats):
         }
         if d["spec_drafted"]:
             drafted, accepted = sum(d["spec_drafted"]), sum(d["spec_accepted"])
+            out["First tokens released on the anchor"] = sum(d["spec_early"])
             out["Speculated tokens"] = drafted
             out["Accepted tokens"] = accepted
             out["Rejected tokens"] = drafted - accepted
@@ -111,7 +115,8 @@ class LynxPromMetrics(KVConnectorPromMetrics):
                                          labelnames=labelnames)
         self._spec = self._counter_cls(name="vllm:lynx_speculative_tokens",
                                        documentation="Tokens decoded on the anchor (drafted), accepted and "
-                                                     "rejected by verification.",
+                                                     "rejected by verification; first tokens released on "
+                                                     "the anchor (released_on_anchor).",
                                        labelnames=labelnames + ["outcome"])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -131,3 +136,6 @@ class LynxPromMetrics(KVConnectorPromMetrics):
             accepted = sum(transfer_stats_data.get("spec_accepted", []))
             self._spec.labels(*labels, "accepted").inc(accepted)
             self._spec.labels(*labels, "rejected").inc(drafted - accepted)
+        early = sum(transfer_stats_data.get("spec_early", []))
+        if early:
+            self._spec.labels(*labels, "released_on_anchor").inc(early)

@@ -2,21 +2,23 @@
 essays), every transfer mode on one P/D pair (each request names its mode), the P->D link paced by D.
 
 1. A calibration deployment with an unpaced link measures the prefill time of the reference prompt on P (a
-   request sent to P alone) and runs every mode once more as the "unpaced" point.
-2. Link rates are chosen so that the bf16-mode transfer of the reference prompt takes ``--ratios`` (0.5, 2, 10)
-   times that prefill: the compute-dominated, balanced and transfer-dominated regimes. Each rate is a server
-   restart (the rate is start-up configuration of D's transport).
-3. Per rate: concurrency 1 (several prompt lengths, repeated prompts) and concurrency 4 (4 different
-   prompts at once, so the anchor-first priority across requests is exercised), every mode, 64 greedy tokens.
-   Task ``summary`` (default): "write a detailed summary" of essay text, whose natural answers run past 64
-   tokens (EOS is still ignored so every request yields 64); ``needle``: needle questions, whose ~15-token
-   answers are followed by EOS-ignored filler (speculation acceptance there measures the filler). Client-side times (through the proxy): TTFT, TT32T, TT64T; D's Prometheus counters give
-   the bytes that crossed the link and the speculated/accepted tokens.
+   request sent to P alone); ``--unpaced-runs`` also runs every mode there.
+2. Link rates are chosen so that a 16-bit BF16 transfer of the reference prompt (the paper's BF16) takes
+   ``--ratios`` (0.5, 2, 10) times that prefill: the compute-dominated, balanced and transfer-dominated
+   regimes. Each rate is a restart of D (the rate is start-up configuration of D's transport).
+3. Per rate: concurrency 1 (repeated prompts) and, at ``--conc-ratios`` (default: the balanced regime),
+   concurrency 4 (4 different prompts at once, so the anchor-first priority across requests is exercised),
+   every mode, 64 greedy tokens. Task ``summary`` (default): "write a detailed summary" of essay text, whose
+   natural answers run past 64 tokens (EOS is still ignored so every request yields 64); ``needle``: needle
+   questions, whose ~15-token answers are followed by EOS-ignored filler (speculation acceptance there
+   measures the filler). Client-side times (through the proxy): TTFT, TT32T, TT64T; D's Prometheus counters
+   give the bytes that crossed the link and the speculated/accepted tokens.
 4. Per row the ideal TTFT = measured prefill + bytes needed before the first released token / link rate
    (requests of a concurrent batch prefilled one after another on P, the link serving them in order), and
    measured/ideal, so every overhead is visible.
 
-"bf16" is the passthrough of the cache dtype: the CPU servers keep an fp32 cache, so it moves 32 bits/value.
+"bf16" is the passthrough of the cache dtype: the CPU servers keep an fp32 cache, so it moves 32 bits/value,
+twice the 16-bit BF16 bytes that define the regimes.
 """
 
 from __future__ import annotations
@@ -44,8 +46,16 @@ logger = init_logger(__name__)
 MODES = ("bf16", "fp8", "int8", "int4", "anchor", "full", "speculative")
 TWO_STREAM = ("anchor", "full", "speculative")
 DEFAULT_RATIOS = (0.5, 2.0, 10.0)
-DEFAULT_LENGTHS = (1024, 2048)
+DEFAULT_LENGTHS = (1024,)
+DEFAULT_REPEATS = 2
 DEFAULT_CONC_LENGTH = 1024
+#: Concurrency > 1 runs at these ratios by default (the balanced regime: at 10x a batch of 4 fp32
+#: passthrough transfers alone would take ~5 minutes and the default run must stay under 30).
+DEFAULT_CONC_RATIOS = (2.0,)
+QUICK_LENGTH = 512
+#: The regimes are defined by the bytes of a 16-bit BF16 transfer (the paper's BF16), whatever the cache
+#: dtype: on CPU the cache is fp32, so the "bf16" mode (passthrough) moves twice those bytes.
+REF_BYTES_PER_VALUE = 2
 QUICK_LINK_GBPS = 0.25
 MAX_MODEL_LEN = 4096
 TARGETS = {
@@ -131,6 +141,7 @@ _COUNTERS = {
     "residual_bytes": ("vllm:lynx_transfer_bytes_total", 'stream="residual"'),
     "lynx_drafted": ("vllm:lynx_speculative_tokens_total", 'outcome="drafted"'),
     "lynx_accepted": ("vllm:lynx_speculative_tokens_total", 'outcome="accepted"'),
+    "lynx_early": ("vllm:lynx_speculative_tokens_total", 'outcome="released_on_anchor"'),
     "vllm_drafted": ("vllm:spec_decode_num_draft_tokens_total", ""),
     "vllm_accepted": ("vllm:spec_decode_num_accepted_tokens_total", ""),
 }
@@ -296,6 +307,7 @@ def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbp
     row["speculated"] = int(drafted) if mode == "speculative" else None
     row["accepted"] = int(accepted or 0) if mode == "speculative" else None
     row["acceptance"] = (accepted / drafted) if mode == "speculative" and drafted else None
+    row["first_token_on_anchor"] = int(delta.get("lynx_early", 0)) if mode == "speculative" else None
     found = [r["needle_found"] for r in got if r.get("needle_found") is not None]
     row["needle_accuracy"] = sum(found) / len(found) if found else None
     return row
@@ -455,11 +467,14 @@ def kv_config(link_gbps: float | None) -> str:
                        "kv_connector_extra_config": {"mode": "full", "link_gbps": link_gbps}})
 
 
-def choose_rates(prefill_s: float, ref_tokens: int, shape: ModelShape, ratios: list[float],
-                 cache_dtype: str = "float32") -> list[float]:
-    """Link rates (Gbit/s) at which the bf16 transfer of ``ref_tokens`` takes ``ratio x prefill_s``."""
-    bf16_bytes = wire_bytes("bf16", ref_tokens, shape, cache_dtype)[1]
-    return [float(f"{bf16_bytes * 8 / (ratio * prefill_s) / 1e9:.4g}") for ratio in ratios]
+def ref_bf16_bytes(num_tokens: int, shape: ModelShape) -> int:
+    """Bytes of a 16-bit BF16 transfer of ``num_tokens`` tokens (K and V, every layer): what defines a regime."""
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * REF_BYTES_PER_VALUE * num_tokens
+
+
+def choose_rates(prefill_s: float, ref_tokens: int, shape: ModelShape, ratios: list[float]) -> list[float]:
+    """Link rates (Gbit/s) at which a 16-bit BF16 transfer of ``ref_tokens`` takes ``ratio x prefill_s``."""
+    return [float(f"{ref_bf16_bytes(ref_tokens, shape) * 8 / (ratio * prefill_s) / 1e9:.4g}") for ratio in ratios]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -474,10 +489,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise SystemExit(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
-    lengths = _ints(args.lengths) or ([1024] if quick else list(DEFAULT_LENGTHS))
+    lengths = _ints(args.lengths) or ([QUICK_LENGTH] if quick else list(DEFAULT_LENGTHS))
     conc = _ints(args.concurrency) or ([1, 2] if quick else [1, 4])
-    conc_length = args.conc_length or (1024 if quick else DEFAULT_CONC_LENGTH)
-    repeats = args.repeats or (1 if quick else 3)
+    conc_length = args.conc_length or (QUICK_LENGTH if quick else DEFAULT_CONC_LENGTH)
+    repeats = args.repeats or (1 if quick else DEFAULT_REPEATS)
     ratios = [float(x) for x in args.ratios.split(",")] if args.ratios else list(DEFAULT_RATIOS)
     max_len = args.max_model_len or MAX_MODEL_LEN
     if max(lengths + [conc_length]) + 128 + args.max_tokens > max_len:
@@ -492,6 +507,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(model)
     all_lengths = sorted(set(lengths + ([conc_length] if max(conc) > 1 else [])))
     prompts = build_prompts(tok, all_lengths, max(repeats, max(conc)), args.task)
+    warm_prompt = build_prompts(tok, [128], 1, args.task)[128][0]  # short: cheap on the slowest link
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="lynx-bench-e2e-"))
     ref_tokens = args.ref_tokens or conc_length
     explicit = [float(x) for x in args.link_gbps.split(",")] if args.link_gbps else None
@@ -502,7 +518,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         schedule = [(f"{QUICK_LINK_GBPS:g} Gbps", QUICK_LINK_GBPS, None)]
     else:
         schedule = [("unpaced", None, None)]
-    conc_ratios = [float(x) for x in args.conc_ratios.split(",")] if args.conc_ratios else None
+    conc_ratios = (list(DEFAULT_CONC_RATIOS) if args.conc_ratios is None else None if args.conc_ratios == "all"
+                   else [float(x) for x in args.conc_ratios.split(",")])
     cells_c1 = len(lengths) * len(modes) if 1 in conc else 0
     cells_cn = sum(1 for c in conc if c > 1) * len(modes)
     n_first = len(schedule) if explicit or quick or args.unpaced_runs else 0
@@ -531,15 +548,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 _write(f"== link {label}: restarting D")
                 restart_decode(dep, model, gbps, spec_args, log_dir / f"decode{i}.log", plan)
             startup = time.perf_counter() - t_dep if i > 0 else dep.startup_s
-            warm = prompts[all_lengths[0]][0]
             for m in ("full", "bf16"):  # first requests pay one-time costs (allocation, NIXL handshake)
-                w = _one_request(dep.url, model, warm, m, 4)
+                w = _one_request(dep.url, model, warm_prompt, m, 4)
                 if w["error"] or w["tokens"] == 0:
                     raise RuntimeError(f"warm-up request ({m}) failed on link {label}: {w['error']}; D's log "
                                        f"{dep.decode.log_path}:\n{dep.decode.log_tail(8)}")
             if i == 0 and "speculative" in modes:
                 if spec_args:
-                    spec_available, spec_note = detect_speculative(dep, model, warm, dep.decode.log_path)
+                    spec_available, spec_note = detect_speculative(dep, model, prompts[all_lengths[0]][0],
+                                                                   dep.decode.log_path)
                 _write(f"  speculative mode: {'available' if spec_available else 'NOT AVAILABLE'} ({spec_note})")
                 if not spec_available:
                     progress.total -= (len(lengths) if 1 in conc else 0) * (n_first + n_paced) + sum(
@@ -555,9 +572,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            for n in sorted(prompts)}
                 _write(f"  {label}: measured prefill " + ", ".join(f"{n} tok {s:.2f} s" for n, s in prefill.items()))
             ref_n = min(prefill, key=lambda k: abs(k - ref_tokens))
-            bf16_xfer = (wire_bytes("bf16", len(prompts[ref_n][0].token_ids), shape, plan.cache_dtype)[1] * 8
-                         / (gbps * 1e9)
-                         if gbps else 0.0)
+            ref_len = len(prompts[ref_n][0].token_ids)
+            bf16_xfer = ref_bf16_bytes(ref_len, shape) * 8 / (gbps * 1e9) if gbps else 0.0
+            passthrough_xfer = wire_bytes("bf16", ref_len, shape, plan.cache_dtype)[1] * 8 / (gbps * 1e9) if gbps else 0.0
             for r in got_rows:
                 r["target_ratio"] = ratio
             rows += got_rows
@@ -565,13 +582,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             deployments.append({"label": label, "link_gbps": gbps, "startup_s": startup, "prefill_s": prefill,
                                 "target_ratio": ratio, "ref_tokens": ref_n,
                                 "bf16_transfer_over_prefill": bf16_xfer / prefill[ref_n],
+                                "passthrough_transfer_over_prefill": passthrough_xfer / prefill[ref_n],
                                 "decode_log": str(dep.decode.log_path), "loadavg": _loadavg()})
             if i == 0 and not explicit and not quick:
                 calib_prefill = prefill[ref_n]
-                rates = choose_rates(calib_prefill, len(prompts[ref_n][0].token_ids), shape, ratios,
-                                     plan.cache_dtype)
-                schedule += [(f"{g:g} Gbps (bf16 {r:g}x prefill)", g, r) for g, r in zip(rates, ratios, strict=True)]
-                _write("  chosen link rates: " + ", ".join(f"{g:g} Gbit/s (bf16 transfer {r:g}x the "
+                rates = choose_rates(calib_prefill, len(prompts[ref_n][0].token_ids), shape, ratios)
+                schedule += [(f"{g:g} Gbps (BF16 {r:g}x prefill)", g, r) for g, r in zip(rates, ratios, strict=True)]
+                _write("  chosen link rates: " + ", ".join(f"{g:g} Gbit/s (16-bit BF16 transfer {r:g}x the "
                        f"{calib_prefill:.2f} s prefill of {ref_n} tokens)" for g, r in zip(rates, ratios,
                                                                                             strict=True)))
             i += 1
@@ -668,16 +685,18 @@ def _check(label: str, metric: str, value: float | None, op: str, target: float)
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("e2e", help="real 1P1D latency per transfer mode over paced links",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="CI size: one deployment at a fixed rate, 1k prompts, "
-                   "concurrency 1 and 2 (< 3 minutes)")
+    p.add_argument("--quick", action="store_true", help="CI size: one deployment at a fixed rate, "
+                   f"{QUICK_LENGTH}-token prompts, concurrency 1 and 2 (< 3 minutes)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
     p.add_argument("--lengths", default=None, help=f"concurrency-1 prompt lengths (default {DEFAULT_LENGTHS})")
-    p.add_argument("--repeats", type=int, default=None, help="requests per mode and length at concurrency 1")
+    p.add_argument("--repeats", type=int, default=None, help="requests per mode and length at concurrency 1 "
+                   f"(default {DEFAULT_REPEATS})")
     p.add_argument("--concurrency", default=None, help="comma-separated concurrency levels (default 1,4)")
     p.add_argument("--conc-length", type=int, default=None, help="prompt length of the concurrent batches")
-    p.add_argument("--conc-ratios", default=None, help="run concurrency > 1 only at these ratios (default: "
-                   "every rate; e.g. 10 = only the transfer-dominated regime)")
-    p.add_argument("--ratios", default=None, help="bf16 transfer / prefill ratios that choose the link rates")
+    p.add_argument("--conc-ratios", default=None, help="run concurrency > 1 only at these ratios (default "
+                   f"{','.join(f'{r:g}' for r in DEFAULT_CONC_RATIOS)}; 'all' = at every rate)")
+    p.add_argument("--ratios", default=None, help="16-bit BF16 transfer / prefill ratios that choose the link rates "
+                   f"(default {','.join(f'{r:g}' for r in DEFAULT_RATIOS)})")
     p.add_argument("--ref-tokens", type=int, default=None, help="prompt length the ratios refer to")
     p.add_argument("--link-gbps", default=None, help="explicit comma-separated link rates (skips calibration)")
     p.add_argument("--unpaced-runs", action="store_true", help="also run every mode on the unpaced link "

@@ -86,13 +86,14 @@ def e2e_markdown(result: dict[str, Any]) -> str:
     for d in result.get("deployments", []):
         pre = ", ".join(f"{n}: {s:.2f}" for n, s in sorted(d["prefill_s"].items(), key=lambda kv: int(kv[0])))
         dep_rows.append([d["label"], d["link_gbps"] if d["link_gbps"] is not None else "unpaced",
-                         d.get("target_ratio"), d.get("bf16_transfer_over_prefill"), pre, d.get("loadavg")])
-    out.append(_md_table(["deployment", "link Gbit/s", "target bf16/prefill", "measured bf16/prefill",
-                          "prefill s (tokens: s)", "load avg"], dep_rows))
+                         d.get("target_ratio"), d.get("bf16_transfer_over_prefill"),
+                         d.get("passthrough_transfer_over_prefill"), pre, d.get("loadavg")])
+    out.append(_md_table(["deployment", "link Gbit/s", "target BF16/prefill", "measured BF16 (16-bit)/prefill",
+                          "bf16-mode passthrough/prefill", "prefill s (tokens: s)", "load avg"], dep_rows))
     out.append("\n### Latency per mode (medians and p90 over requests; times in seconds, at the client)\n")
     headers = ["link", "conc", "tokens", "mode", "n", "TTFT med", "TTFT p90", "TT32T med", "TT32T p90",
                "TT64T med", "TT64T p90", "MB wire", "MB measured", "ideal TTFT", "TTFT/ideal", "accept",
-               "=full", "needle"]
+               "1st on anchor", "=full", "needle"]
     rows = sorted(result.get("rows", []), key=lambda r: (_dep_index(result, r["rate_label"]), r["concurrency"],
                                                           r["nominal_tokens"], _mode_key(r["mode"])))
     table = []
@@ -104,11 +105,14 @@ def e2e_markdown(result: dict[str, Any]) -> str:
                       None if r.get("wire_bytes_measured") is None else r["wire_bytes_measured"] / 1e6,
                       r["ideal_ttft_s"], r["ttft_vs_ideal"],
                       None if r.get("acceptance") is None else f"{r['acceptance']:.1%}",
+                      None if r.get("first_token_on_anchor") is None else f"{r['first_token_on_anchor']}/{r['n']}",
                       None if r.get("output_equal_full") is None else f"{r['output_equal_full']:.0%}",
                       None if r.get("needle_accuracy") is None else f"{r['needle_accuracy']:.0%}"])
     out.append(_md_table(headers, table))
     out.append("\nideal TTFT: " + result.get("ideal_model", "") + ". `=full`: share of requests whose text equals "
-               "the full mode's for the same prompt. `needle`: share of answers containing the needle number.\n")
+               "the full mode's for the same prompt. `needle`: share of answers containing the needle number. `1st on anchor`: "
+               "speculative requests whose first token (P's full-precision token, confirmed by D's first anchor-phase "
+               "token) was released when the anchor landed.\n")
     checks = result.get("checks", [])
     if checks:
         out.append("\n### Targets (issue 6), concurrency 1\n")

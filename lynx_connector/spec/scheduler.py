@@ -215,7 +215,7 @@ class LynxSpecScheduler(Scheduler):
         self._record(st)
 
     def _record(self, st: SpecState) -> None:
-        self._stats.record_speculation(st.speculated, st.accepted)
+        self._stats.record_speculation(st.speculated, st.accepted, st.committed)
         self._done[st.req_id] = st.summary()
         logger.info("Request %s: speculation %s", st.req_id, st.summary())
 

@@ -54,7 +54,8 @@ def test_ideal_ttfts_pipeline() -> None:
 
 def test_choose_rates_hit_the_ratios() -> None:
     rates = e2e.choose_rates(2.0, 1024, SHAPE, [0.5, 2.0, 10.0])
-    bf16 = e2e.wire_bytes("bf16", 1024, SHAPE)[1]
+    bf16 = e2e.wire_bytes("bf16", 1024, SHAPE, "bfloat16")[1]  # the regimes are defined by 16-bit BF16 bytes
+    assert bf16 == e2e.ref_bf16_bytes(1024, SHAPE) == e2e.wire_bytes("bf16", 1024, SHAPE)[1] // 2
     for g, ratio in zip(rates, [0.5, 2.0, 10.0], strict=True):
         assert bf16 * 8 / (g * 1e9) / 2.0 == pytest.approx(ratio, rel=1e-3)
 
