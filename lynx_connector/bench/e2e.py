@@ -524,7 +524,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cells_cn = sum(1 for c in conc if c > 1) * len(modes)
     n_first = len(schedule) if explicit or quick or args.unpaced_runs else 0
     n_paced = 0 if explicit or quick else len(ratios)
-    n_paced_conc = n_paced if conc_ratios is None else sum(1 for r in ratios if r in conc_ratios)
+    n_paced_conc = n_paced if conc_ratios is None or not n_paced else sum(1 for r in ratios if r in conc_ratios)
     progress = Progress((cells_c1 + cells_cn) * n_first + cells_c1 * n_paced + cells_cn * n_paced_conc)
     _write(f"lynx bench e2e: {Path(model).name} fp32 on CPU; modes {', '.join(modes)}; prompts {lengths} tokens "
            f"x {repeats} at concurrency 1, {conc_length} tokens at concurrency {[c for c in conc if c > 1]}; "
@@ -548,7 +548,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 _write(f"== link {label}: restarting D")
                 restart_decode(dep, model, gbps, spec_args, log_dir / f"decode{i}.log", plan)
             startup = time.perf_counter() - t_dep if i > 0 else dep.startup_s
-            for m in ("full", "bf16"):  # first requests pay one-time costs (allocation, NIXL handshake)
+            # First requests pay one-time costs (allocation, NIXL handshake, each codec's first call on P and D).
+            for m in dict.fromkeys(["full", *modes]):
                 w = _one_request(dep.url, model, warm_prompt, m, 4)
                 if w["error"] or w["tokens"] == 0:
                     raise RuntimeError(f"warm-up request ({m}) failed on link {label}: {w['error']}; D's log "
