@@ -9,6 +9,7 @@ signed-zero ties) it declines and the caller runs the twin, which then decides (
 
 from __future__ import annotations
 
+import math
 import os
 from functools import lru_cache
 from typing import Any
@@ -125,27 +126,30 @@ def _run(codec: GroupQuantCodec, kv_layer: torch.Tensor, block_ids: BlockIds, la
     kind_code = _KINDS[layout.dtype]
     packed, two = codec.bits == 4, residual is not None
     bs = layout.block_size
+    args = []
     for s_block, base, s_head, off_t, off_d, contig, t_contig, a0, nc, ng, (r0, r1), channel, g in tensors:
-        tile_base = ids * s_block + base
-        codes = a_np[a0:a0 + nc]
-        scale = a_np[a0 + nc:a0 + nc + 2 * ng].view(np.uint16)
-        mn = a_np[a0 + nc + 2 * ng:a0 + nc + 4 * ng].view(np.uint16)
-        res = _EMPTY if r_np is None else r_np[r0:r1]
-        if kind_code == 0 and skip is not None:  # fp32 decode: rows into a block buffer, stored in tile order
-            kernels.decode_f32_rows(flat.view(np.float32), tile_base, s_head, off_t, off_d, t_contig, contig, bs, t,
-                                    h, skip, channel, g, packed, two, codes, scale, mn, res)
-            continue
-        if kind_code == 0 and skip is None and channel:  # fp32 channel-group encode: the vectorized kernel
+        args.append((ids * s_block + base, s_head, off_t, off_d, t_contig, contig, channel, g, a_np[a0:a0 + nc],
+                     a_np[a0 + nc:a0 + nc + 2 * ng].view(np.uint16), a_np[a0 + nc + 2 * ng:a0 + nc + 4 * ng].view(np.uint16),
+                     _EMPTY if r_np is None else r_np[r0:r1]))
+    if kind_code == 0:  # fp32 caches: K and V in one pass over the cache where the kernels allow
+        f32 = flat.view(np.float32)
+        if skip is not None:
+            kernels.decode_f32_kv(f32, bs, t, h, skip, packed, two, args[0], args[1])
+            return True
+        if args[0][6] and args[1][6]:
+            span = math.lcm(args[0][7], args[1][7])
+            k, v = ((*a[:6], a[7], *a[8:]) for a in args)  # (tile_base, ..., d_contig, g, planes)
+            return kernels.encode_f32_kv(f32, bs, t, h, span, codec.levels, packed, two, k, v) == kernels.OK
+    for tile_base, s_head, off_t, off_d, t_contig, contig, channel, g, codes, scale, mn, res in args:
+        if kind_code == 0 and channel:  # fp32 channel-group encode (one tensor): the vectorized kernel
             status = kernels.encode_f32_channel(flat.view(np.float32), tile_base, s_head, off_t, off_d, t_contig,
                                                 contig, bs, t, h, g, codec.levels, packed, two, codes, scale, mn, res)
-            if status != kernels.OK:
-                return False
-            continue
-        common = (flat, kind_code, tile_base, s_head, off_t, off_d, contig, bs, t, h)
-        if skip is None:
-            status = kernels.encode_tensor(*common, channel, g, codec.levels, packed, two, codes, scale, mn, res)
+        elif skip is None:
+            status = kernels.encode_tensor(flat, kind_code, tile_base, s_head, off_t, off_d, contig, bs, t, h, channel,
+                                           g, codec.levels, packed, two, codes, scale, mn, res)
         else:
-            status = kernels.decode_tensor(*common, skip, channel, g, packed, two, codes, scale, mn, res)
+            status = kernels.decode_tensor(flat, kind_code, tile_base, s_head, off_t, off_d, contig, bs, t, h, skip,
+                                           channel, g, packed, two, codes, scale, mn, res)
         if status != kernels.OK:
             return False
     return True
