@@ -487,18 +487,39 @@ def _enc_group_f32(src, tile_base, base_h, off_t, off_d, t_contig, d_contig, bs,
     """One (channel group, head) of an fp32 cache: rows t0 <= t < t1 of head ``h`` loaded token-major once; the
     min/max, the fp16 metadata (``_meta_vec``) and the codes are branch-free loops over the head dim (per-dim
     metadata as vectors), so they vectorize; codes as int32 first, packed in a second loop. OK or FALLBACK."""
-    y, gmin, gmax, acc, mnv, sv, safe, span, q, okv, ai, ri = w
+    yw, gmin, gmax, acc, mnv, sv, safe, span, q, okv, ai, ri = w
     d_n = off_d.shape[0]
     half = d_n // 2
     n = t1 - t0
     lvf = np.float32(levels)
     row_bytes = half if packed else d_n
-    _load_group_f32(src, tile_base, base_h, off_t, off_d, t_contig, d_contig, bs, t0, t1, y)
+    u0 = t0 % bs
+    if d_contig and off_t[u0 + n - 1] - off_t[u0] == (n - 1) * d_n and u0 + n <= bs:
+        # the group's rows are one token-major run of the cache (V tiles [BS, D]): read them in place
+        o = tile_base[t0 // bs] + base_h + off_t[u0]
+        y = src[o:o + n * d_n].reshape(n, d_n)
+    else:
+        y = yw  # rows < n in use
+        _load_group_f32(src, tile_base, base_h, off_t, off_d, t_contig, d_contig, bs, t0, t1, y)
     for d in range(d_n):
         gmin[d] = y[0, d]
         gmax[d] = y[0, d]
         acc[d] = _ZERO
-    for r in range(n):
+    n4 = n - n % 4
+    for r in range(0, n4, 4):  # four rows per pass over the accumulators (min/max do not depend on the order;
+        y0, y1, y2, y3 = y[r], y[r + 1], y[r + 2], y[r + 3]  # a signed-zero tie falls back below)
+        for d in range(d_n):
+            v0, v1, v2, v3 = y0[d], y1[d], y2[d], y3[d]
+            lo = v0 if v0 < v1 else v1
+            lo2 = v2 if v2 < v3 else v3
+            lo = lo if lo < lo2 else lo2
+            hi = v0 if v0 > v1 else v1
+            hi2 = v2 if v2 > v3 else v3
+            hi = hi if hi > hi2 else hi2
+            gmin[d] = lo if lo < gmin[d] else gmin[d]
+            gmax[d] = hi if hi > gmax[d] else gmax[d]
+            acc[d] += ((v0 - v0) + (v1 - v1)) + ((v2 - v2) + (v3 - v3))  # NaN when any value is not finite
+    for r in range(n4, n):
         for d in range(d_n):
             v = y[r, d]
             gmin[d] = v if v < gmin[d] else gmin[d]

@@ -2,7 +2,7 @@
 
 from lynx_connector.kernels.errors import KVRangeError, NonFiniteKVError
 
-from .api import decode_anchor, encode, merge_residual, plane_nbytes
+from .api import decode_anchor, decode_full, encode, merge_residual, plane_nbytes
 from .base import Codec
 from .layout import KVLayout, TileAddr, cpu_attn_isa
 from .registry import CODEC_NAMES, LYNX_DEFAULTS, get_codec
@@ -17,6 +17,7 @@ __all__ = [
     "TileAddr",
     "cpu_attn_isa",
     "decode_anchor",
+    "decode_full",
     "encode",
     "get_codec",
     "merge_residual",

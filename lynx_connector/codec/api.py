@@ -1,5 +1,6 @@
 """The codec contract over vLLM's paged KV (docs/ARCHITECTURE.md): encode on P, decode_anchor and
-merge_residual on D, each on one layer of one request, by block ids (in any order, as vLLM allocated them).
+merge_residual on D (or decode_full when both planes are at hand), each on one layer of one request, by block ids
+(in any order, as vLLM allocated them).
 
 ``impl`` picks the implementation: ``"triton"`` (default on CUDA tensors) and ``"numba"`` (default on CPU when
 numba is importable and the codec is a token/channel group codec) address the cache directly; ``"torch"`` runs
@@ -110,6 +111,33 @@ def merge_residual(
     _decode(codec, anchor, residual, kv_layer, block_ids, layout, num_tokens, impl, skip_blocks)
 
 
+def decode_full(
+    codec: Codec,
+    anchor: torch.Tensor,
+    residual: torch.Tensor | None,
+    kv_layer: torch.Tensor,
+    block_ids: BlockIds,
+    layout: KVLayout,
+    num_tokens: int,
+    *,
+    skip_blocks: int = 0,
+    impl: str = "auto",
+) -> None:
+    """D side, both planes at hand: write full-precision values into rows < num_tokens in one pass over the blocks.
+
+    The cache ends up byte-identical to :func:`decode_anchor` followed by :func:`merge_residual` (the full values
+    depend on the planes only, never on what the rows held), without the anchor pass. Single-stream codecs have no
+    residual (``None`` or empty): their full precision is the anchor, so this is :func:`decode_anchor`. The first
+    ``skip_blocks`` blocks are left untouched, as in :func:`decode_anchor`."""
+    if not codec.two_stream:
+        if residual is not None and residual.numel():
+            raise ValueError(f"codec {codec.name} is single-stream: it has no residual plane")
+        residual = None
+    elif residual is None:
+        raise ValueError(f"codec {codec.name} is two-stream: decode_full needs the residual plane")
+    _decode(codec, anchor, residual, kv_layer, block_ids, layout, num_tokens, impl, skip_blocks)
+
+
 def _decode(
     codec: Codec,
     anchor: torch.Tensor,
@@ -149,4 +177,4 @@ def plane_nbytes(codec: Codec, layout: KVLayout, num_tokens: int) -> tuple[int, 
     return codec.plane_nbytes(num_tokens, layout.num_heads, layout.head_size, layout.dtype)
 
 
-__all__ = ["encode", "decode_anchor", "merge_residual", "plane_nbytes", "check_plane"]
+__all__ = ["encode", "decode_anchor", "merge_residual", "decode_full", "plane_nbytes", "check_plane"]
