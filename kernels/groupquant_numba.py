@@ -61,11 +61,28 @@ def _prefetch(typingctx, arr, idx):
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _prefetch_span(src, start, n):
-    """Prefetch ``src[start:start + n]`` (clipped to the array), one hint per 64-byte line."""
-    step = max(1, 64 // src.itemsize)
-    for i in range(max(0, start), min(start + n, src.shape[0]), step):
-        _prefetch(src, i)
+def _prefetch_lines(src, pf, k):
+    """Issue up to ``k`` prefetches from the queue ``pf`` (element indices of ``src``, one per 64-byte line;
+    ``pf[0]`` = next slot, ``pf[1]`` = end). Paced a few per row of work: a burst of thousands would fill the miss
+    queue and stall the core instead of overlapping the fetches with the arithmetic."""
+    i = pf[0]
+    e = min(pf[1], i + k)
+    while i < e:
+        _prefetch(src, pf[i])
+        i += 1
+    pf[0] = i
+
+
+@njit(cache=True, error_model="numpy")
+def _queue_lines(pf, src_n, start, n, itemsize):
+    """Append the lines of ``[start, start + n)`` (clipped to ``src_n`` elements) to the queue ``pf``."""
+    step = max(1, 64 // itemsize)
+    j = pf[1]
+    for i in range(max(0, start), min(start + n, src_n), step):
+        if j < pf.shape[0]:
+            pf[j] = i
+            j += 1
+    pf[1] = j
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -483,7 +500,7 @@ def _enc_scratch(g, d_n):
 
 @njit(cache=True, error_model="numpy")
 def _enc_group_f32(src, tile_base, base_h, off_t, off_d, t_contig, d_contig, bs, t0, t1, h, num_heads, g, levels,
-                   packed, residual, codes, scale_bits, mn_bits, res, w):
+                   packed, residual, codes, scale_bits, mn_bits, res, w, pf):
     """One (channel group, head) of an fp32 cache: rows t0 <= t < t1 of head ``h`` loaded token-major once; the
     min/max, the fp16 metadata (``_meta_vec``) and the codes are branch-free loops over the head dim (per-dim
     metadata as vectors), so they vectorize; codes as int32 first, packed in a second loop. OK or FALLBACK."""
@@ -543,6 +560,7 @@ def _enc_group_f32(src, tile_base, base_h, off_t, off_d, t_contig, d_contig, bs,
     for d in range(d_n):
         q[d] = safe[d] * _P0625
     for r in range(n):
+        _prefetch_lines(src, pf, 4)
         yr = y[r]
         if residual:  # floor((x - mn)/safe + 0.5) capped at levels; floor(e/q) clamped to [-8, 7], + 8
             for d in range(d_n):
@@ -578,11 +596,12 @@ def encode_f32_channel(src, tile_base, s_head, off_t, off_d, t_contig, d_contig,
                        levels, packed, residual, codes, scale_bits, mn_bits, res):
     """``encode_tensor`` for fp32 caches and channel groups, one (group, head) at a time (``_enc_group_f32``)."""
     w = _enc_scratch(g, off_d.shape[0])
+    pf = np.zeros(2, np.int64)  # no prefetch queue
     for t0 in range(0, num_tokens, g):
         t1 = min(num_tokens, t0 + g)
         for h in range(num_heads):
             if _enc_group_f32(src, tile_base, h * s_head, off_t, off_d, t_contig, d_contig, bs, t0, t1, h,
-                              num_heads, g, levels, packed, residual, codes, scale_bits, mn_bits, res, w) != OK:
+                              num_heads, g, levels, packed, residual, codes, scale_bits, mn_bits, res, w, pf) != OK:
                 return FALLBACK
     return OK
 
@@ -597,25 +616,29 @@ def encode_f32_kv(src, bs, num_tokens, num_heads, span, levels, packed, residual
     tb_v, sh_v, ot_v, od_v, tc_v, dc_v, g_v, c_v, s_v, m_v, r_v = v
     w_k = _enc_scratch(g_k, od_k.shape[0])
     w_v = _enc_scratch(g_v, od_v.shape[0])
-    # tiles that are one dense span (the CPU layouts): prefetch the next (span, head)'s tiles while this one runs
+    # tiles that are one dense span (the CPU layouts): the next (span, head)'s tiles are prefetched, a few lines per
+    # row, while this one runs
     sp_k = ot_k.max() + od_k.max() + 1
     sp_v = ot_v.max() + od_v.max() + 1
     dense = sp_k == bs * od_k.shape[0] and sp_v == bs * od_v.shape[0]
+    per_line = max(1, 64 // src.itemsize)
+    pf = np.zeros(2 + ((span + bs - 1) // bs + 1) * (sp_k + sp_v + 2 * per_line) // per_line, np.int64)
     for s0 in range(0, num_tokens, span):
         s1 = min(num_tokens, s0 + span)
         for h in range(num_heads):
             n0, nh = (s0, h + 1) if h + 1 < num_heads else (s0 + span, 0)
+            pf[0] = pf[1] = 2
             if dense and n0 < num_tokens:
                 for b in range(n0 // bs, (min(num_tokens, n0 + span) + bs - 1) // bs):
-                    _prefetch_span(src, tb_k[b] + nh * sh_k, sp_k)
-                    _prefetch_span(src, tb_v[b] + nh * sh_v, sp_v)
+                    _queue_lines(pf, src.shape[0], tb_k[b] + nh * sh_k, sp_k, src.itemsize)
+                    _queue_lines(pf, src.shape[0], tb_v[b] + nh * sh_v, sp_v, src.itemsize)
             for t0 in range(s0, s1, g_k):
                 if _enc_group_f32(src, tb_k, h * sh_k, ot_k, od_k, tc_k, dc_k, bs, t0, min(s1, t0 + g_k), h,
-                                  num_heads, g_k, levels, packed, residual, c_k, s_k, m_k, r_k, w_k) != OK:
+                                  num_heads, g_k, levels, packed, residual, c_k, s_k, m_k, r_k, w_k, pf) != OK:
                     return FALLBACK
             for t0 in range(s0, s1, g_v):
                 if _enc_group_f32(src, tb_v, h * sh_v, ot_v, od_v, tc_v, dc_v, bs, t0, min(s1, t0 + g_v), h,
-                                  num_heads, g_v, levels, packed, residual, c_v, s_v, m_v, r_v, w_v) != OK:
+                                  num_heads, g_v, levels, packed, residual, c_v, s_v, m_v, r_v, w_v, pf) != OK:
                     return FALLBACK
     return OK
 
