@@ -401,7 +401,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="auto",
         help="timing clock; auto = thread CPU time with --threads 1 (robust on shared machines), else wall",
     )
-    p.add_argument("--out", default=None, help="write the result JSON here")
+    p.add_argument("--out", default=None, help="write the result JSON here (and the printed table beside it, .txt)")
     p.set_defaults(func=run)
     return p
 
@@ -474,11 +474,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["checks"] = evaluate_targets(rows, memcpy_gbps)
     result["wall_s"] = time.perf_counter() - t_start
     result.update(common.environment_info())
-    sys.stdout.write(format_report(result))
+    report = format_report(result)
+    sys.stdout.write(report)
     sys.stdout.flush()
     if args.out:
         common.write_json(args.out, result)
-        logger.info("wrote %s", args.out)
+        txt = os.path.splitext(args.out)[0] + ".txt"  # the table as printed, beside the JSON
+        with open(txt, "w") as fh:
+            fh.write(report)
+        logger.info("wrote %s and %s", args.out, txt)
     return result
 
 
