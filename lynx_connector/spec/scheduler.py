@@ -289,6 +289,7 @@ class LynxSpecScheduler(Scheduler):
             # remote KV is not pulled again); a residual still in flight is cancelled in this very step, before
             # the worker could write into the blocks freed here.
             self._drop_held(request, st)
+            st.preempted = True
             self._record(st)
             logger.info("Request %s preempted while speculating (%s held tokens dropped)", request.request_id,
                         len(st.held) if st.phase is Phase.ANCHOR else 0)

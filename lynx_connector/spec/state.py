@@ -36,6 +36,8 @@ class SpecState:
     accepted: int = 0
     passes: int = 0
     capped_steps: int = 0
+    #: Preempted while speculating: the held tokens were dropped and the request recomputed at full precision.
+    preempted: bool = False
 
     @property
     def rejected(self) -> int:
@@ -70,4 +72,4 @@ class SpecState:
     def summary(self) -> dict[str, int]:
         return {"speculated": self.speculated, "accepted": self.accepted, "rejected": self.rejected,
                 "verify_passes": self.passes, "capped_steps": self.capped_steps,
-                "first_token_early": self.committed}
+                "first_token_early": self.committed, "preempted": int(self.preempted)}

@@ -99,3 +99,41 @@ def abort_while_speculating(llm: Any, prompt: list[int], params: dict[str, Any],
     out = state(llm)
     out.update(held=held, released=released, free_before=free_before)
     return out
+
+
+def preempt_while_speculating(llm: Any, prompt: list[int], params: dict[str, Any], hold: int,
+                              max_tokens: int) -> dict[str, Any]:
+    """Add one request, step until it holds ``hold`` anchor tokens, preempt it exactly as vLLM's scheduler does
+    when it runs out of blocks (``running.pop()`` then ``_preempt_request``), then step until it finishes."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    sched = _core(llm).scheduler
+    free_before = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    engine.add_request("preempt-me", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                      extra_args={"kv_transfer_params": params}))
+    outputs, held, deadline = [], 0, time.monotonic() + 120
+    while time.monotonic() < deadline:
+        outputs.extend(engine.step())
+        st = _spec_state(sched, "preempt-me")
+        held = len(st.held) if st is not None else 0
+        if held >= hold:
+            break
+        if st is None:
+            time.sleep(0.005)
+    req = next(r for r in sched.running if r.request_id.startswith("preempt-me"))
+    released_before = list(req.output_token_ids[: len(req.output_token_ids) - held])
+    sched.running.remove(req)
+    sched._preempt_request(req, time.monotonic())
+    preempted_status = str(req.status)
+    while engine.has_unfinished_requests() and time.monotonic() < deadline + 120:
+        outputs.extend(engine.step())
+    final = [o for o in outputs if o.finished]
+    out = state(llm)
+    out.update(held=held, released_before=released_before, preempted_status=preempted_status,
+               free_before=free_before,
+               token_ids=list(final[-1].outputs[0].token_ids) if final else None,
+               finish_reason=final[-1].outputs[0].finish_reason if final else None,
+               speculation=(final[-1].kv_transfer_params or {}).get("lynx_speculation") if final else None)
+    return out

@@ -260,3 +260,23 @@ def test_recompute_policy_after_residual_failure(model, engines, prompts):
         assert st["requests"] == [] and st["spec"] == [] and st["worker_recvs"] == []
     finally:
         d2.close()
+
+
+def test_preemption_while_speculating(engines, prompts):
+    """Preempted while decoding on its anchor (as vLLM's scheduler preempts when it runs out of blocks: the last
+    running request is popped and ``_preempt_request`` frees its blocks): the held tokens are dropped, the
+    residual pull is cancelled, and the request is recomputed locally at full precision from its prompt plus
+    the first token already released; its output is what a local full-precision prefill gives, and nothing
+    leaks (blocks, pulls, staging, speculation state)."""
+    p, d = engines
+    ids = prompts[0].token_ids
+    ref = p.generate([ids], None, max_tokens=24, ignore_eos=True)[0]  # a local full-precision prefill
+    params = prefill(p, [ids], "speculative", {"delay_residual_steps": 1000})[0]
+    res = d.call(f"{PROBES}:preempt_while_speculating", ids, params, 6, 24)
+    assert res["held"] >= 6 and "PREEMPTED" in res["preempted_status"]
+    assert res["released_before"] == [params["lynx_first_token"]]  # only P's token reached the client
+    assert res["token_ids"] == ref["token_ids"] and res["finish_reason"] == "length"
+    assert res["speculation"]["preempted"] == 1 and res["speculation"]["speculated"] >= 6
+    assert res["requests"] == [] and res["spec"] == [] and res["spec_pending"] == []
+    assert res["worker_recvs"] == [] and res["staging_live"] in (0, None)
+    assert res["free_blocks"] == res["free_before"]
