@@ -1,4 +1,5 @@
-"""Dispatch of the contract functions to the numba CPU kernels (``kernels/groupquant_numba``).
+"""Dispatch of the contract functions to the numba CPU kernels (``kernels/groupquant_numba`` and its fp32 fast path
+``kernels/groupquant_numba_f32``).
 
 An optional fast path: numba ships with vLLM but is not a dependency of this package; without it (or with
 ``LYNX_CODEC_NUMBA=0``) the torch twins run. The kernels cover the group codecs with token/channel groups (Lynx,
@@ -30,10 +31,10 @@ def numba_kernels() -> Any:
     if os.environ.get("LYNX_CODEC_NUMBA", "1") == "0":
         return None
     try:
-        from lynx_connector.kernels import groupquant_numba
+        from lynx_connector.kernels import groupquant_numba_f32
     except Exception:  # numba absent or broken: the torch twins are the CPU path
         return None
-    return groupquant_numba
+    return groupquant_numba_f32  # the fp32 fast path, re-exporting the generic kernels
 
 
 def _codec_key(codec: GroupQuantCodec) -> tuple[Any, ...]:

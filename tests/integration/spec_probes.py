@@ -67,6 +67,22 @@ def state(llm: Any) -> dict[str, Any]:
     }
 
 
+def _step_until_held(engine: Any, sched: Any, prefix: str, hold: int, outputs: list[Any], deadline: float) -> int:
+    """Step the engine until the request holds ``hold`` anchor tokens (or the deadline); returns how many it holds.
+    Bounded by time, not by a step count: steps without a forward (the anchor still in flight) take microseconds,
+    so any fixed number of them can end before the anchor lands on a quiet machine."""
+    held = 0
+    while time.monotonic() < deadline:
+        outputs.extend(engine.step())
+        st = _spec_state(sched, prefix)
+        held = len(st.held) if st is not None else 0
+        if held >= hold:
+            break
+        if st is None:
+            time.sleep(0.005)
+    return held
+
+
 def abort_while_speculating(llm: Any, prompt: list[int], params: dict[str, Any], hold: int,
                             max_steps: int = 400) -> dict[str, Any]:
     """Add one request, step until it holds ``hold`` anchor tokens, abort it, then step until idle."""
@@ -78,18 +94,8 @@ def abort_while_speculating(llm: Any, prompt: list[int], params: dict[str, Any],
     free_before = sched.kv_cache_manager.block_pool.get_num_free_blocks()
     engine.add_request("abort-me", {"prompt_token_ids": prompt},
                        SamplingParams(temperature=0.0, max_tokens=64, extra_args={"kv_transfer_params": params}))
-    held, outputs = 0, []
-    # Bounded by time, not by a step count: steps without a forward (the anchor still in flight) take
-    # microseconds, so any fixed number of them can end before the anchor lands on a quiet machine.
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        outputs.extend(engine.step())
-        st = _spec_state(sched, "abort-me")
-        held = len(st.held) if st is not None else 0
-        if held >= hold:
-            break
-        if st is None:
-            time.sleep(0.005)
+    outputs: list[Any] = []
+    held = _step_until_held(engine, sched, "abort-me", hold, outputs, time.monotonic() + 120)
     released = [list(o.outputs[0].token_ids) for o in outputs if o.outputs]
     engine.abort_request(["abort-me"])
     for _ in range(max_steps):
@@ -113,15 +119,9 @@ def preempt_while_speculating(llm: Any, prompt: list[int], params: dict[str, Any
     engine.add_request("preempt-me", {"prompt_token_ids": prompt},
                        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                       extra_args={"kv_transfer_params": params}))
-    outputs, held, deadline = [], 0, time.monotonic() + 120
-    while time.monotonic() < deadline:
-        outputs.extend(engine.step())
-        st = _spec_state(sched, "preempt-me")
-        held = len(st.held) if st is not None else 0
-        if held >= hold:
-            break
-        if st is None:
-            time.sleep(0.005)
+    outputs: list[Any] = []
+    deadline = time.monotonic() + 120
+    held = _step_until_held(engine, sched, "preempt-me", hold, outputs, deadline)
     req = next(r for r in sched.running if r.request_id.startswith("preempt-me"))
     released_before = list(req.output_token_ids[: len(req.output_token_ids) - held])
     sched.running.remove(req)

@@ -23,7 +23,7 @@ from lynx_connector.codec import (
 numba_path = pytest.importorskip("lynx_connector.codec.numba_path")
 if numba_path.numba_kernels() is None:
     pytest.skip("numba unavailable", allow_module_level=True)
-kernels = numba_path.numba_kernels()
+from lynx_connector.kernels import groupquant_numba as kernels  # noqa: E402  (its fp16 helpers, tested below)
 
 H, BS = 2, 32
 LAYOUTS = [("cpu", "vec"), ("cpu", "vec16"), ("cpu", "amx"), ("flash", None)]
