@@ -149,6 +149,7 @@ class LynxConnectorScheduler:
             skip_blocks=local_hit // self.block_size,
             remote_host=remote.host,
             remote_port=remote.ports[0],
+            remote_ports=remote.ports,
             remote_req_id=remote.request_id,
             remote_engine_id=remote.engine_id,
             mode=mode,

@@ -227,7 +227,6 @@ class LynxConnectorWorker:
                 self._failed_recving.add(spec.req_id)
                 self._finished_recving.add(spec.req_id)
             return
-        port = spec.remote_port + self.tp_rank if self.tp_rank else spec.remote_port
         if spec.num_tokens == 0:  # full local prefix hit: nothing to pull; P frees its staging at the lease
             logger.debug("request %s: prompt fully in D's prefix cache, nothing pulled", spec.req_id)
             return
@@ -246,6 +245,7 @@ class LynxConnectorWorker:
         rec = _Recv(spec=spec, staged=staged, t_start=time.perf_counter(), hooks=dict(hooks))
         self._recvs[spec.req_id] = rec
         try:
+            port = spec.port_for_rank(self.tp_rank)
             self.sink.pull(spec.req_id, spec.remote_host, port, spec.remote_req_id,
                            staged.anchor, staged.residual if r else None)
         except ValueError as exc:
