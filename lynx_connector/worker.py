@@ -60,7 +60,6 @@ class _Recv:
     anchor_landed: bool = False
     residual_landed: bool = False
     reported: bool = False  # finished_recving already sent to the scheduler
-    errors: list[str] = field(default_factory=list)
     hooks: dict[str, Any] = field(default_factory=dict)  # test-only (spec/messages.py)
     anchor_step: int = -1  # worker step in which the anchor was written (speculative mode)
 
