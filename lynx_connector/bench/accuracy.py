@@ -360,9 +360,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "generations": {m: raw[m]["needles"] for m in raw},
     }
     result["wall_s"] = time.perf_counter() - t_start
-    result.update(env)
-    result["hardware"]["loadavg_start"] = result["hardware"].pop("loadavg", None)
-    result["hardware"]["loadavg"] = common.hardware_info()["loadavg"]  # at the end
+    common.record_environment(result, env)
     from lynx_connector.bench import report
 
     sys.stdout.write("\n" + report.accuracy_markdown(result))

@@ -88,6 +88,11 @@ def _mem_total_gib() -> float | None:
     return None
 
 
+def loadavg() -> list[float] | None:
+    """The 1/5/15-minute load average (the machine is shared: it says how noisy a timing was)."""
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
 def hardware_info() -> dict[str, Any]:
     """CPU, usable cores, memory, load average, and the accelerator if torch sees one."""
     info: dict[str, Any] = {
@@ -96,7 +101,7 @@ def hardware_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "mem_total_gib": _mem_total_gib(),
-        "loadavg": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        "loadavg": loadavg(),
         "accelerator": None,
     }
     try:
@@ -109,6 +114,14 @@ def hardware_info() -> dict[str, Any]:
     except Exception:  # torch missing or broken: the rest of the record is still useful
         pass
     return info
+
+
+def record_environment(result: dict[str, Any], env_at_start: dict[str, Any]) -> None:
+    """Merge :func:`environment_info` taken when the run started (the code and versions that ran) into ``result``,
+    with the load average at the start (``loadavg_start``) and now, at the end (``loadavg``)."""
+    result.update(env_at_start)
+    result["hardware"]["loadavg_start"] = result["hardware"].pop("loadavg", None)
+    result["hardware"]["loadavg"] = loadavg()
 
 
 def environment_info() -> dict[str, Any]:

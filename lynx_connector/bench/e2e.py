@@ -574,8 +574,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 _write(f"  {label}: measured prefill " + ", ".join(f"{n} tok {s:.2f} s" for n, s in prefill.items()))
             ref_n = min(prefill, key=lambda k: abs(k - ref_tokens))
             ref_len = len(prompts[ref_n][0].token_ids)
-            bf16_xfer = ref_bf16_bytes(ref_len, shape) * 8 / (gbps * 1e9) if gbps else 0.0
-            passthrough_xfer = wire_bytes("bf16", ref_len, shape, plan.cache_dtype)[1] * 8 / (gbps * 1e9) if gbps else 0.0
+            secs = 8 / (gbps * 1e9) if gbps else 0.0  # on the link, per byte
+            bf16_xfer = ref_bf16_bytes(ref_len, shape) * secs
+            passthrough_xfer = wire_bytes("bf16", ref_len, shape, plan.cache_dtype)[1] * secs
             for r in got_rows:
                 r["target_ratio"] = ratio
             rows += got_rows
@@ -584,10 +585,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 "target_ratio": ratio, "ref_tokens": ref_n,
                                 "bf16_transfer_over_prefill": bf16_xfer / prefill[ref_n],
                                 "passthrough_transfer_over_prefill": passthrough_xfer / prefill[ref_n],
-                                "decode_log": str(dep.decode.log_path), "loadavg": _loadavg()})
+                                "decode_log": str(dep.decode.log_path), "loadavg": common.loadavg()})
             if i == 0 and not explicit and not quick:
                 calib_prefill = prefill[ref_n]
-                rates = choose_rates(calib_prefill, len(prompts[ref_n][0].token_ids), shape, ratios)
+                rates = choose_rates(calib_prefill, ref_len, shape, ratios)
                 schedule += [(f"{g:g} Gbps (BF16 {r:g}x prefill)", g, r) for g, r in zip(rates, ratios, strict=True)]
                 _write("  chosen link rates: " + ", ".join(f"{g:g} Gbit/s (16-bit BF16 transfer {r:g}x the "
                        f"{calib_prefill:.2f} s prefill of {ref_n} tokens)" for g, r in zip(rates, ratios,
@@ -617,9 +618,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     result["checks"] = evaluate_targets(rows, ratios)
     result["wall_s"] = time.perf_counter() - t_start
-    result.update(env)
-    result["hardware"]["loadavg_start"] = result["hardware"].pop("loadavg", None)
-    result["hardware"]["loadavg"] = common.hardware_info()["loadavg"]  # at the end
+    common.record_environment(result, env)
     from lynx_connector.bench import report
 
     sys.stdout.write("\n" + report.e2e_markdown(result))
@@ -636,12 +635,6 @@ def _prefill_at(prefill: dict[int, float], ref_tokens: int, prompts: dict[int, l
     # scale the closest measured length linearly
     n = min(prefill, key=lambda k: abs(k - ref_tokens))
     return prefill[n] * ref_tokens / n
-
-
-def _loadavg() -> list[float] | None:
-    import os
-
-    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
 def _ints(text: str | None) -> list[int]:
