@@ -45,17 +45,14 @@ class RecvSpec:
     num_tokens: int
     skip_blocks: int
     remote_host: str
-    remote_port: int
+    #: P's side-channel port of each tensor-parallel rank (``lynx_ports``, never empty).
+    remote_ports: tuple[int, ...]
     remote_req_id: str
     remote_engine_id: str
     mode: str
-    #: P's side-channel port of each tensor-parallel rank (``lynx_ports``); empty: ``remote_port`` + rank.
-    remote_ports: tuple[int, ...] = ()
 
     def port_for_rank(self, tp_rank: int) -> int:
         """The side-channel port of P's worker that holds this D worker's shard of the KV."""
-        if not self.remote_ports:
-            return self.remote_port + tp_rank
         if tp_rank >= len(self.remote_ports):
             raise ValueError(f"P advertises {len(self.remote_ports)} side-channel port(s) (its tensor-parallel size) "
                              f"but this decode worker is tensor-parallel rank {tp_rank}: P and D must run the same "

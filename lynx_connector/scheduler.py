@@ -148,7 +148,6 @@ class LynxConnectorScheduler:
             num_tokens=num_tokens,
             skip_blocks=local_hit // self.block_size,
             remote_host=remote.host,
-            remote_port=remote.ports[0],
             remote_ports=remote.ports,
             remote_req_id=remote.request_id,
             remote_engine_id=remote.engine_id,

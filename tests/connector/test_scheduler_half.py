@@ -7,7 +7,7 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from lynx_connector.config import LynxConfig
-from lynx_connector.metadata import LynxHandshakeMetadata, LynxWorkerMeta, RecvSpec, RemotePrefill
+from lynx_connector.metadata import LynxHandshakeMetadata, LynxWorkerMeta, RemotePrefill
 from lynx_connector.scheduler import LynxConnectorScheduler
 
 BS = 32
@@ -183,6 +183,3 @@ def test_decode_side_pulls_from_the_port_of_its_tensor_parallel_rank():
     assert [spec.port_for_rank(k) for k in (0, 1)] == [7001, 7002]  # P's ports need not be consecutive
     with pytest.raises(ValueError, match="same tensor-parallel size"):
         spec.port_for_rank(2)
-    legacy = RecvSpec(req_id="x", block_ids=[], num_tokens=1, skip_blocks=0, remote_host="h", remote_port=5000,
-                      remote_req_id="y", remote_engine_id="e", mode="full")
-    assert legacy.port_for_rank(1) == 5001
