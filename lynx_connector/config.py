@@ -86,6 +86,10 @@ class LynxConfig:
     timeout_s: float = 30.0
     #: Speculation cap on D (tokens decoded on the anchor before the request waits for the residual).
     max_speculative_tokens: int = 64
+    #: Confidence gate for greedy speculation on D: a token decoded on the anchor whose logit margin (top token
+    #: minus the runner-up, in nats) is below this is not held, and the request waits for the residual (its
+    #: followers would be verified against an uncertain token). 0 holds every token up to the cap.
+    speculative_min_margin: float = 0.4
     #: Test-only fault injection: "corrupt_residual" flips the residual bits D receives.
     fault_injection: str | None = None
 
@@ -133,7 +137,7 @@ class LynxConfig:
                             ("max_speculative_tokens", 0, 4096)):
             if key in extra:
                 kw[key] = _as_int(key, extra[key], minimum=lo, maximum=hi)
-        for key, lo in (("lease_s", 0.1), ("timeout_s", 0.1)):
+        for key, lo in (("lease_s", 0.1), ("timeout_s", 0.1), ("speculative_min_margin", 0.0)):
             if key in extra:
                 kw[key] = _as_float(key, extra[key], minimum=lo)
         if "side_channel_host" in extra:

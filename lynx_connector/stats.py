@@ -10,7 +10,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 _LIST_KEYS = ("anchor_bytes", "anchor_s", "residual_bytes", "residual_s", "request_s",
               "encode_anchor_bytes", "encode_residual_bytes", "encode_s",
-              "spec_drafted", "spec_accepted", "spec_early")
+              "spec_drafted", "spec_accepted", "spec_early", "spec_stop_low_margin",
+              "spec_stop_first_token_mismatch")
 _COUNT_KEYS = ("failed_load", "failed_stage", "failed_nonfinite")
 
 
@@ -42,12 +43,15 @@ class LynxStats(KVConnectorStats):
     def record_failure(self, kind: str) -> None:
         self.data[f"failed_{kind}"] += 1
 
-    def record_speculation(self, drafted: int, accepted: int, early: int = 0) -> None:
-        """One speculative request: tokens decoded on the anchor and held, how many verification accepted, and
-        ``early`` tokens released on the anchor (P's full-precision first token)."""
+    def record_speculation(self, drafted: int, accepted: int, early: int = 0, stopped: str | None = None) -> None:
+        """One speculative request: tokens decoded on the anchor and held, how many verification accepted,
+        ``early`` tokens released on the anchor (P's full-precision first token), and why decoding on the
+        anchor stopped before the cap, if it did: "low_margin" or "first_token_mismatch"."""
         self.data["spec_drafted"].append(int(drafted))
         self.data["spec_accepted"].append(int(accepted))
         self.data["spec_early"].append(int(early))
+        for reason in ("low_margin", "first_token_mismatch"):
+            self.data[f"spec_stop_{reason}"].append(int(stopped == reason))
 
     # ---- KVConnectorStats protocol ----
     def reset(self) -> None:
@@ -90,6 +94,8 @@ class LynxStats(KVConnectorStats):
         if d["spec_drafted"]:
             drafted, accepted = sum(d["spec_drafted"]), sum(d["spec_accepted"])
             out["First tokens released on the anchor"] = sum(d["spec_early"])
+            out["Speculations stopped on a low margin"] = sum(d["spec_stop_low_margin"])
+            out["Speculations stopped on a first-token mismatch"] = sum(d["spec_stop_first_token_mismatch"])
             out["Speculated tokens"] = drafted
             out["Accepted tokens"] = accepted
             out["Rejected tokens"] = drafted - accepted
@@ -118,6 +124,11 @@ class LynxPromMetrics(KVConnectorPromMetrics):
                                                      "rejected by verification; first tokens released on "
                                                      "the anchor (released_on_anchor).",
                                        labelnames=labelnames + ["outcome"])
+        self._stopped = self._counter_cls(name="vllm:lynx_speculation_stops",
+                                          documentation="Requests whose decoding on the anchor stopped before the "
+                                                        "cap: low_margin (confidence gate) or "
+                                                        "first_token_mismatch (D's first token is not P's).",
+                                          labelnames=labelnames + ["reason"])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
@@ -139,3 +150,7 @@ class LynxPromMetrics(KVConnectorPromMetrics):
         early = sum(transfer_stats_data.get("spec_early", []))
         if early:
             self._spec.labels(*labels, "released_on_anchor").inc(early)
+        for reason in ("low_margin", "first_token_mismatch"):
+            n = sum(transfer_stats_data.get(f"spec_stop_{reason}", []))
+            if n:
+                self._stopped.labels(*labels, reason).inc(n)

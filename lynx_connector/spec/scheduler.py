@@ -18,13 +18,19 @@ A vLLM ``Scheduler`` subclass. For a request whose KV arrives in ``speculative``
    agrees). Released tokens go through vLLM's own stop checks, logprobs and outputs: they are those of
    the verification pass.
 
+Confidence gate (greedy requests, ``speculative_min_margin``; ``lynx_connector.spec.confidence``): a token
+sampled on the anchor whose top-two logit margin is below the threshold is not held and the request waits
+for the residual, as it does at the cap; the verification pass decodes that position at full precision.
+
 First token: P sampled one token after the prompt at full precision and passes it in ``kv_transfer_params``
 (``lynx_first_token``). For a greedy request without logprobs, when D's first token on the anchor equals
 P's, it is released at once (it *is* the full-precision token): time to first token becomes that of the
 anchor. It is then committed: verification rewinds to the last prompt token, recomputes it and the
 committed token on the refined KV and verifies the held tokens after it. When the two differ (or for
 sampled requests, whose output distribution must stay exactly the full-precision one, and requests asking
-for logprobs, which must come from a full-precision pass) the first token is held and verified like the rest.
+for logprobs, which must come from a full-precision pass) the first token is held and verified like the rest;
+when they differ, whatever D would decode after its own first token would be rejected, so the request waits
+for the residual at once (``first_token_mismatch``).
 
 Needs ``speculative_config = {"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": K}``
 (switches the verification machinery on, forces MRV1 and synchronous scheduling). Prefix caching is
@@ -45,6 +51,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
 from lynx_connector.logger import init_logger
+from lynx_connector.spec.confidence import ConfidenceGate
 from lynx_connector.spec.state import Phase, SpecState
 from lynx_connector.stats import LynxStats
 
@@ -76,12 +83,15 @@ class LynxSpecScheduler(Scheduler):
         self._spec: dict[str, SpecState] = {}
         self._done: dict[str, dict[str, int]] = {}  # finished this step: counters for their final output
         self._stats = LynxStats()
+        self._gate = ConfidenceGate(self._lynx.config.speculative_min_margin if self._lynx is not None else 0.0,
+                                    vllm_config.model_config.max_logprobs)
         enabled = self._lynx is not None and self._k > 0 and self._cap > 0
         if self._lynx is not None:
             self._lynx.speculation_enabled = enabled
         if enabled:
             logger.info("Lynx speculative scheduler: up to %d tokens decoded on the anchor per request, verified "
-                        "in passes of up to %d drafts", self._cap, self._k)
+                        "in passes of up to %d drafts; greedy requests stop at a logit margin below %s", self._cap,
+                        self._k, self._gate.min_margin if self._gate.enabled else "(gate off)")
         else:
             logger.warning("Lynx speculative scheduler without %s: speculative requests are served as 'full'",
                            "a LynxConnector" if self._lynx is None else
@@ -99,6 +109,10 @@ class LynxSpecScheduler(Scheduler):
         if self._lynx is not None:
             for req_id in sorted(self._lynx.take_residual_merged()):
                 self._on_residual_merged(req_id)
+            for req_id in self._lynx.spec_pending:  # not on the worker yet: ask for the logprobs the gate needs
+                req = self.requests.get(req_id)
+                if req is not None and req_id not in self._spec:
+                    self._gate.prepare(req)
         for st in self._spec.values():  # (re)assert the drafts of pending passes (the proposer's [] clears them)
             if st.phase is Phase.VERIFY and st.scheduled is None:
                 req = self.requests.get(st.req_id)
@@ -150,7 +164,7 @@ class LynxSpecScheduler(Scheduler):
             return
         if st.phase is not Phase.ANCHOR:
             return
-        if not st.held and not st.committed:
+        if not st.decoded_on_anchor:
             self._finish_speculation(st)
             return
         if req.status != RequestStatus.RUNNING:  # defensive: anchor-phase requests are running or preempted
@@ -176,8 +190,11 @@ class LynxSpecScheduler(Scheduler):
         if st is None:
             return super()._update_request_with_output(request, new_token_ids, is_stale)
         if st.phase is Phase.ANCHOR:
-            if (new_token_ids and not st.committed and not st.held and st.prefill_token is not None
-                    and new_token_ids[0] == st.prefill_token):
+            confident = self._gate.confident(req_id)  # the margin of this step's token, consumed either way
+            if new_token_ids and not st.committed and not st.held and st.prefill_token is not None:
+                if new_token_ids[0] != st.prefill_token:
+                    st.stopped = "first_token_mismatch"  # not appended: the request waits, then recomputes it
+                    return [], False
                 # D's first token on the anchor is P's full-precision token: release it now.
                 st.committed = 1
                 released, stopped = super()._update_request_with_output(request, new_token_ids[:1], is_stale)
@@ -185,8 +202,11 @@ class LynxSpecScheduler(Scheduler):
                     return released, stopped
                 new_token_ids = new_token_ids[1:]  # (cannot happen: no drafts in the anchor phase)
             for tok in new_token_ids:
-                if st.would_stop or len(st.held) >= self._cap:
+                if st.must_wait(self._cap):
                     break  # cannot happen (such requests are not scheduled); never hold past the cap
+                if not confident:
+                    st.stopped = "low_margin"  # not appended: the verification pass decodes this position
+                    break
                 request.append_output_token_ids(tok)
                 st.held.append(tok)
                 st.speculated += 1
@@ -205,7 +225,7 @@ class LynxSpecScheduler(Scheduler):
         """P's first token, when this request may release it early (greedy, no logprobs)."""
         assert self._lynx is not None
         tok = self._lynx.spec_first_token.pop(request.request_id, None)
-        sp = request.sampling_params
+        sp = self._gate.client_params(request)
         if tok is None or sp is None or sp.sampling_type != SamplingType.GREEDY or sp.logprobs is not None:
             return None
         return tok
@@ -215,13 +235,18 @@ class LynxSpecScheduler(Scheduler):
         self._record(st)
 
     def _record(self, st: SpecState) -> None:
-        self._stats.record_speculation(st.speculated, st.accepted, st.committed)
+        self._stats.record_speculation(st.speculated, st.accepted, st.committed, st.stopped)
         self._done[st.req_id] = st.summary()
         logger.info("Request %s: speculation %s", st.req_id, st.summary())
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
+        if self._gate.enabled and self._lynx is not None:  # margins of the tokens sampled on the anchor
+            self._gate.observe(model_runner_output, [r for r in self._lynx.spec_pending
+                                                     if r not in self._spec or self._spec[r].phase is Phase.ANCHOR])
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._gate.strip(outputs)
+        self._gate.forget(self.requests)
         if self._lynx is not None:
             for req_id in sorted(self._lynx.take_residual_failed()):
                 self._on_residual_failed(req_id, outputs)

@@ -26,6 +26,10 @@ class SpecState:
     held: list[int] = field(default_factory=list)
     #: A stop condition (EOS, stop token, max_tokens, max_model_len) fired on a held token: decode no further.
     would_stop: bool = False
+    #: Why decoding on the anchor ended before the cap without holding the latest token: "low_margin" (the
+    #: anchor's top two logits were too close) or "first_token_mismatch" (D's first token on the anchor is not
+    #: P's full-precision token, so whatever follows it would be rejected).
+    stopped: str | None = None
     #: VERIFY: index in ``held`` of the first token not verified yet, and the drafts of the pending pass.
     pos: int = 0
     chunk: list[int] = field(default_factory=list)
@@ -45,7 +49,12 @@ class SpecState:
 
     def must_wait(self, cap: int) -> bool:
         """Not to be scheduled this step: decoding on the anchor is capped or has reached a stop."""
-        return self.phase is Phase.ANCHOR and (self.would_stop or len(self.held) >= cap)
+        return self.phase is Phase.ANCHOR and (self.would_stop or self.stopped is not None or len(self.held) >= cap)
+
+    @property
+    def decoded_on_anchor(self) -> bool:
+        """D computed at least one step on the anchor (so the last prompt token must be recomputed)."""
+        return bool(self.held or self.committed or self.stopped)
 
     def next_chunk(self, k: int) -> list[int]:
         self.chunk = self.held[self.pos:self.pos + k]
@@ -72,4 +81,6 @@ class SpecState:
     def summary(self) -> dict[str, int]:
         return {"speculated": self.speculated, "accepted": self.accepted, "rejected": self.rejected,
                 "verify_passes": self.passes, "capped_steps": self.capped_steps,
-                "first_token_early": self.committed, "preempted": int(self.preempted)}
+                "first_token_early": self.committed, "preempted": int(self.preempted),
+                "stopped_low_margin": int(self.stopped == "low_margin"),
+                "first_token_mismatch": int(self.stopped == "first_token_mismatch")}

@@ -31,6 +31,8 @@ def test_strings_are_parsed_as_numbers():
     ({"fault_injection": "drop_everything"}, "fault_injection"),
     ({"side_channel_host": "  "}, "side_channel_host"),
     ({"codec_options": [1, 2]}, "codec_options"),
+    ({"speculative_min_margin": -0.1}, "speculative_min_margin"),
+    ({"speculative_min_margin": "inf"}, "speculative_min_margin"),
 ])
 def test_bad_values_name_the_key(extra, key):
     with pytest.raises(LynxConfigError, match=key):
@@ -47,3 +49,9 @@ def test_unknown_keys_are_warned(caplog):
 
 def test_null_link_rate_means_unpaced():
     assert LynxConfig.from_extra_config({"link_gbps": "null"}).link_gbps is None
+
+
+def test_speculative_min_margin_parses_and_zero_disables():
+    assert LynxConfig.from_extra_config(None).speculative_min_margin == 0.4
+    assert LynxConfig.from_extra_config({"speculative_min_margin": "0"}).speculative_min_margin == 0.0
+    assert LynxConfig.from_extra_config({"speculative_min_margin": 1.25}).speculative_min_margin == 1.25

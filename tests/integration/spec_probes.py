@@ -24,10 +24,11 @@ def generate(llm: Any, prompts: list[list[int]], sp_kwargs: dict[str, Any],
     outs = []
     for out in llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False):
         c = out.outputs[0]
-        lps = None
+        lps = top = None
         if c.logprobs is not None:
             lps = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
-        outs.append({"token_ids": list(c.token_ids), "text": c.text, "logprobs": lps,
+            top = [{int(t): x.logprob for t, x in lp.items()} for lp in c.logprobs]
+        outs.append({"token_ids": list(c.token_ids), "text": c.text, "logprobs": lps, "top_logprobs": top,
                      "finish_reason": c.finish_reason, "kv_transfer_params": out.kv_transfer_params})
     return outs
 

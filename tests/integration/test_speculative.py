@@ -6,7 +6,9 @@ One P and one speculation-enabled D serve every scenario: the transfer mode is c
 the prompt). When the residual is merged is fixed per request with the test-only hook
 ``lynx_test_hooks.delay_residual_steps`` (worker steps after the anchor; needs ``LYNX_TEST_HOOKS=1``,
 which ``SpecEngine`` sets). D: ``num_speculative_tokens`` K=8, ``max_speculative_tokens`` 16 (so held
-tokens are verified in up to two passes, and a late residual exercises the cap).
+tokens are verified in up to two passes, and a late residual exercises the cap), confidence gate off
+(``speculative_min_margin`` 0) so that the scenarios hold a known number of tokens; a second D with the
+default gate serves the ``test_confidence_gate_*`` tests.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def engines(model):
     try:
         p = EngineProcess(model, lynx_kv_config("full"), cpu="0")
         started.append(p)
-        d = SpecEngine(model, lynx_kv_config("full", max_speculative_tokens=CAP), cpu="1", **spec_d_config())
+        d = SpecEngine(model, lynx_kv_config("full", max_speculative_tokens=CAP, speculative_min_margin=0), cpu="1",
+                       **spec_d_config())
         started.append(d)
         yield p, d
     finally:
@@ -248,7 +251,7 @@ def test_recompute_policy_after_residual_failure(model, engines, prompts):
     p, _ = engines
     ids = [prompts[0].token_ids]
     ref = p.generate(ids, None, max_tokens=16, ignore_eos=True)
-    d2 = SpecEngine(model, dict(lynx_kv_config("full", max_speculative_tokens=CAP),
+    d2 = SpecEngine(model, dict(lynx_kv_config("full", max_speculative_tokens=CAP, speculative_min_margin=0),
                                 kv_load_failure_policy="recompute"), cpu="1", **spec_d_config())
     try:
         t0 = time.monotonic()
@@ -280,3 +283,98 @@ def test_preemption_while_speculating(engines, prompts):
     assert res["requests"] == [] and res["spec"] == [] and res["spec_pending"] == []
     assert res["worker_recvs"] == [] and res["staging_live"] in (0, None)
     assert res["free_blocks"] == res["free_before"]
+
+
+# ---- confidence gate (the default D configuration) ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gated_d(model, engines):
+    d = SpecEngine(model, lynx_kv_config("full", max_speculative_tokens=CAP), cpu="1", **spec_d_config())
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+@pytest.fixture(scope="module")
+def gate_prompts(model, prompts):
+    """The needle prompts and three summary prompts (free prose: where this model's margins get small)."""
+    from transformers import AutoTokenizer
+
+    from lynx_connector.data import build_summary_prompt
+
+    tok = AutoTokenizer.from_pretrained(model)
+    return [pr.token_ids for pr in prompts] + [build_summary_prompt(tok, 1024, seed=s).token_ids for s in (1, 6, 21)]
+
+
+def _expected_gate(anchor: dict, gate: float, prefill_token: int | None) -> tuple[int, int, int, int]:
+    """(speculated, first_token_early, stopped_low_margin, first_token_mismatch) that the gate must report, from
+    an ``anchor``-mode run with logprobs=2: P's token (when it may be released) must equal D's first anchor
+    token, then tokens are held up to the first one whose top-two margin is below ``gate``, at most CAP."""
+    from lynx_connector.spec.confidence import token_margin
+
+    tokens = anchor["token_ids"]
+    margins = [token_margin([t, *lp], [lp[t], *lp.values()]) for lp, t in zip(anchor["top_logprobs"], tokens,
+                                                                               strict=True)]
+    start = 0
+    if prefill_token is not None:
+        if tokens[0] != prefill_token:
+            return 0, 0, 0, 1
+        start = 1  # released at once, not held
+    low = next((i for i in range(start, len(margins)) if margins[i] < gate), None)
+    stopped = low is not None and low - start < CAP
+    return (low - start if stopped else CAP), start, int(stopped), 0
+
+
+def test_confidence_gate_holds_tokens_up_to_the_first_low_margin(engines, gated_d, gate_prompts, record_property):
+    """With the default ``speculative_min_margin``, D holds anchor-phase tokens up to (not including) the first
+    one whose top-two logit margin on the anchor is below the threshold, and waits for the residual there; when
+    its first token on the anchor is not P's, it holds nothing. The expected count comes from an ``anchor``-mode
+    run of the same prompt on the same D (the same decode on the same KV, logprobs=2), one prompt at a time so
+    both see the same shapes. Outputs equal full mode's, and the logprobs the gate asked for internally do not
+    reach a client that asked for none."""
+    from lynx_connector.config import LynxConfig
+
+    gate = LynxConfig().speculative_min_margin
+    p, _ = engines
+    sampling = dict(max_tokens=CAP + 6, ignore_eos=True)
+    stops: list[str | None] = []
+    held = accepted = 0
+    for ids in gate_prompts:
+        ref = run(p, gated_d, [ids], "full", **sampling)[0]
+        anchor = run(p, gated_d, [ids], "anchor", logprobs=2, **sampling)[0]
+        params = prefill(p, [ids], "speculative", {"delay_residual_steps": CAP + 4})
+        out = gated_d.generate([ids], params, **sampling)[0]
+        assert out["token_ids"] == ref["token_ids"] and out["logprobs"] is None
+        c = counters(out)
+        want = _expected_gate(anchor, gate, params[0]["lynx_first_token"])
+        assert (c["speculated"], c["first_token_early"], c["stopped_low_margin"], c["first_token_mismatch"]) == want
+        assert c["accepted"] + c["rejected"] == c["speculated"]
+        stops.append("low_margin" if c["stopped_low_margin"] else "first_token_mismatch"
+                     if c["first_token_mismatch"] else None)
+        held += c["speculated"]
+        accepted += c["accepted"]
+    record_property("gated_acceptance", f"{accepted}/{held}")
+    record_property("gate_stops", json.dumps(stops))
+    assert "low_margin" in stops  # the scenario is exercised (the summaries reach small margins within the cap)
+
+
+def test_confidence_gate_with_client_logprobs(engines, gated_d, gate_prompts):
+    """A client asking for 1 logprob gets exactly that (the gate asks vLLM for 2), from the verification pass:
+    equal to full mode's up to float reordering (verification scores several positions in one pass). With
+    logprobs the first token is not released early: it is held and gated like the others."""
+    from lynx_connector.config import LynxConfig
+
+    p, _ = engines
+    ids = [gate_prompts[1]]
+    sampling = dict(max_tokens=CAP + 6, ignore_eos=True, logprobs=1)
+    ref = run(p, gated_d, ids, "full", **sampling)[0]
+    anchor = run(p, gated_d, ids, "anchor", **dict(sampling, logprobs=2))[0]
+    out = run(p, gated_d, ids, "speculative", {"delay_residual_steps": CAP + 4}, **sampling)[0]
+    assert out["token_ids"] == ref["token_ids"]
+    assert out["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-4)
+    assert all(len(top) <= 2 for top in out["top_logprobs"])  # the sampled token and the top-1
+    c = counters(out)
+    want = _expected_gate(anchor, LynxConfig().speculative_min_margin, None)
+    assert (c["speculated"], c["first_token_early"], c["stopped_low_margin"], c["first_token_mismatch"]) == want
+    assert c["speculated"] > 0  # held tokens were verified (and their logprobs come from that pass)
