@@ -7,6 +7,15 @@ last, quantize-dequantize every layer's K and V with the 4-bit anchor of a group
 the tokens differ from decoding on the exact KV (``--tokens`` when they never do).
 
     .venv/bin/python benchmarks/anchor_agreement.py --prompts 12 --tokens 64
+
+``--margins``: for the Lynx default grouping only, the calibration of the speculative mode's confidence gate
+(``speculative_min_margin``): the anchor's top-two logit margin at each position, the margin where the first
+difference occurs, and per threshold what the gate would hold and verification accept over ``--tokens``
+positions (the policy of ``lynx_connector.spec``: P's full-precision first token is released when D's first
+anchor token equals it, and nothing is held when it does not; then tokens are held up to the first one whose
+margin is below the threshold).
+
+    .venv/bin/python benchmarks/anchor_agreement.py --prompts 16 --margins
 """
 
 from __future__ import annotations
@@ -16,6 +25,45 @@ import statistics
 import sys
 
 import torch
+
+LYNX_DEFAULT = "lynx default: K channel/256, V channel/32"
+THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
+def gate_outcome(div: int, margins: list[float], tau: float, cap: int) -> tuple[int, int]:
+    """(held, accepted) for one prompt under the speculative mode's policy (see the module docstring):
+    ``div`` is the first position where the anchor's greedy tokens differ from full precision's."""
+    if div == 0:
+        return 0, 0  # D's first token is not P's: nothing is held
+    held = next((i for i in range(1, len(margins)) if margins[i] < tau), len(margins)) - 1  # position 0 is P's
+    held = min(held, cap)
+    return held, min(held, div - 1)
+
+
+def calibrate_gate(prompts: list, refs: list[list[int]], decode, tokens: int) -> int:
+    divs, margins = [], []
+    for p, ref in zip(prompts, refs, strict=True):
+        m: list[float] = []
+        divs.append(first_difference(decode(p.token_ids, m), ref))
+        margins.append(m)
+    at_div = [m[d] for d, m in zip(divs, margins, strict=True) if d < tokens]
+    before = [x for d, m in zip(divs, margins, strict=True) for x in m[1:d]]
+    sys.stdout.write(f"{len(prompts)} prompts, {tokens} tokens; first difference at {divs}\n"
+                     f"anchor margin at the first difference: max {max(at_div, default=float('nan')):.3f}, "
+                     f"values {[round(x, 3) for x in at_div]}\n"
+                     f"margins before it (positions 1..): {len(before)} positions, median "
+                     f"{statistics.median(before) if before else float('nan'):.3f}, "
+                     f"share below 0.4: {sum(x < 0.4 for x in before) / max(1, len(before)):.2f}\n")
+    sys.stdout.write(f"{'threshold':>9s} {'held':>5s} {'accepted':>8s} {'acceptance':>10s} {'accepted/prompt':>15s}\n")
+    for tau in THRESHOLDS:
+        held, acc = zip(*(gate_outcome(d, m, tau, tokens) for d, m in zip(divs, margins, strict=True)), strict=True)
+        sys.stdout.write(f"{tau:9.2f} {sum(held):5d} {sum(acc):8d} {sum(acc) / max(1, sum(held)):10.2f} "
+                         f"{statistics.mean(acc):15.1f}\n")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--context", type=int, default=1024, help="essay tokens per prompt")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens compared")
+    ap.add_argument("--margins", action="store_true", help="calibrate the confidence gate (Lynx default grouping)")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     path = str(prepare())
@@ -42,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         return dequantize_ref(p.codes, None, p.scale, p.mn, mode, g)
 
     @torch.no_grad()
-    def greedy(ids: list[int], cfg: tuple | None) -> list[int]:
+    def greedy(ids: list[int], cfg: tuple | None, margins: list[float] | None = None) -> list[int]:
         cache = model(torch.tensor([ids[:-1]]), use_cache=True).past_key_values
         if cfg is not None:
             for layer in cache.layers:
@@ -53,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.tokens):
             o = model(cur, past_key_values=cache, use_cache=True)
             cache = o.past_key_values
-            out.append(int(o.logits[0, -1].argmax()))
+            top = o.logits[0, -1].topk(2)
+            out.append(int(top.indices[0]))
+            if margins is not None:
+                margins.append(float(top.values[0] - top.values[1]))
             cur = torch.tensor([[out[-1]]])
         return out
 
@@ -61,19 +113,21 @@ def main(argv: list[str] | None = None) -> int:
         return sum(4 + (32 / g if mode == "channel" else 32 / 64) for mode, g in cfg) / 2  # head_dim 64
 
     configs = {
-        "lynx default: K channel/256, V channel/32": (("channel", 256), ("channel", 32)),
+        LYNX_DEFAULT: (("channel", 256), ("channel", 32)),
         "K channel/256, V token": (("channel", 256), ("token", 1)),
         "K channel/64, V channel/64": (("channel", 64), ("channel", 64)),
         "K channel/32, V channel/64": (("channel", 32), ("channel", 64)),
         "K token, V token (int4 per token-head)": (("token", 1), ("token", 1)),
     }
     refs = [greedy(p.token_ids, None) for p in prompts]
+    if args.margins:
+        return calibrate_gate(prompts, refs, lambda ids, m: greedy(ids, configs[LYNX_DEFAULT], m), args.tokens)
     sys.stdout.write(f"{'anchor grouping':42s} {'bits/value':>10s}  first divergence (of {args.tokens}) per prompt\n")
     for name, cfg in configs.items():
         divs = []
         for p, ref in zip(prompts, refs, strict=True):
             got = greedy(p.token_ids, cfg)
-            divs.append(next((i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b), args.tokens))
+            divs.append(first_difference(got, ref))
         sys.stdout.write(f"{name:42s} {bits(cfg):10.3f}  mean {statistics.mean(divs):5.1f}, median "
                          f"{statistics.median(divs):5.1f}: {divs}\n")
         sys.stdout.flush()

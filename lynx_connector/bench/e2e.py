@@ -62,6 +62,8 @@ TARGETS = {
     "spec_ttft_vs_int8": 1.43,  # int8 TTFT / speculative TTFT in the transfer-dominated regime
     "spec_ttft_vs_int4": 1.15,  # speculative TTFT / int4 TTFT at most
     "compute_regime_lynx_vs_int8": 1.05,  # lynx (full, speculative) TTFT / int8 TTFT at most at ratio 0.5
+    "spec_ttft_vs_full": 1.43,  # full TTFT / speculative TTFT in the transfer-dominated regime (issue 5)
+    "spec_acceptance": 0.85,  # accepted / speculated tokens there (issue 5)
 }
 
 
@@ -142,6 +144,8 @@ _COUNTERS = {
     "lynx_drafted": ("vllm:lynx_speculative_tokens_total", 'outcome="drafted"'),
     "lynx_accepted": ("vllm:lynx_speculative_tokens_total", 'outcome="accepted"'),
     "lynx_early": ("vllm:lynx_speculative_tokens_total", 'outcome="released_on_anchor"'),
+    "lynx_stop_low_margin": ("vllm:lynx_speculation_stops_total", 'reason="low_margin"'),
+    "lynx_stop_mismatch": ("vllm:lynx_speculation_stops_total", 'reason="first_token_mismatch"'),
     "vllm_drafted": ("vllm:spec_decode_num_draft_tokens_total", ""),
     "vllm_accepted": ("vllm:spec_decode_num_accepted_tokens_total", ""),
 }
@@ -308,6 +312,8 @@ def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbp
     row["accepted"] = int(accepted or 0) if mode == "speculative" else None
     row["acceptance"] = (accepted / drafted) if mode == "speculative" and drafted else None
     row["first_token_on_anchor"] = int(delta.get("lynx_early", 0)) if mode == "speculative" else None
+    row["stopped_low_margin"] = int(delta.get("lynx_stop_low_margin", 0)) if mode == "speculative" else None
+    row["first_token_mismatch"] = int(delta.get("lynx_stop_mismatch", 0)) if mode == "speculative" else None
     found = [r["needle_found"] for r in got if r.get("needle_found") is not None]
     row["needle_accuracy"] = sum(found) / len(found) if found else None
     return row
@@ -652,8 +658,12 @@ def evaluate_targets(rows: list[dict], ratios: list[float]) -> list[dict[str, An
 
     hi = list(dict.fromkeys(r["rate_label"] for r in rows if ratios and r.get("target_ratio") == max(ratios)))
     lo = list(dict.fromkeys(r["rate_label"] for r in rows if ratios and r.get("target_ratio") == min(ratios)))
+    def pooled(label: str, key: str) -> int:
+        return sum(r[key] or 0 for r in rows if r["rate_label"] == label and r["mode"] == "speculative"
+                   and r["concurrency"] == 1)
+
     for label in hi:
-        spec, i8, i4 = (med(label, m, "ttft_s_median") for m in ("speculative", "int8", "int4"))
+        spec, i8, i4, full = (med(label, m, "ttft_s_median") for m in ("speculative", "int8", "int4", "full"))
         s32, i832 = med(label, "speculative", "tt32_s_median"), med(label, "int8", "tt32_s_median")
         checks.append(_check(label, "int8 TTFT / speculative TTFT", i8 / spec if spec and i8 else None,
                              ">=", TARGETS["spec_ttft_vs_int8"]))
@@ -661,6 +671,19 @@ def evaluate_targets(rows: list[dict], ratios: list[float]) -> list[dict[str, An
                              "<=", TARGETS["spec_ttft_vs_int4"]))
         checks.append(_check(label, "speculative TT32T / int8 TT32T", s32 / i832 if s32 and i832 else None,
                              "<", 1.0))
+        checks.append(_check(label, "full TTFT / speculative TTFT", full / spec if spec and full else None,
+                             ">=", TARGETS["spec_ttft_vs_full"]))
+        for k in (32, 64):
+            s_k, f_k = med(label, "speculative", f"tt{k}_s_median"), med(label, "full", f"tt{k}_s_median")
+            checks.append(_check(label, f"speculative TT{k}T / full TT{k}T", s_k / f_k if s_k and f_k else None,
+                                 "<", 1.0))
+        held = pooled(label, "speculated")
+        checks.append(_check(label, "speculative acceptance (accepted / speculated)",
+                             pooled(label, "accepted") / held if held else None, ">=", TARGETS["spec_acceptance"]))
+        eq = [r["output_equal_full"] for r in rows if r["rate_label"] == label and r["mode"] == "speculative"
+              and r.get("output_equal_full") is not None]
+        checks.append(_check(label, "speculative outputs equal to full (share)", min(eq) if eq else None,
+                             ">=", 1.0))
     for label in lo:
         i8 = med(label, "int8", "ttft_s_median")
         for m in ("full", "speculative"):

@@ -93,7 +93,7 @@ def e2e_markdown(result: dict[str, Any]) -> str:
     out.append("\n### Latency per mode (medians and p90 over requests; times in seconds, at the client)\n")
     headers = ["link", "conc", "tokens", "mode", "n", "TTFT med", "TTFT p90", "TT32T med", "TT32T p90",
                "TT64T med", "TT64T p90", "MB wire", "MB measured", "ideal TTFT", "TTFT/ideal", "accept",
-               "1st on anchor", "=full", "needle"]
+               "held/req", "gate stops", "1st on anchor", "=full", "needle"]
     rows = sorted(result.get("rows", []), key=lambda r: (_dep_index(result, r["rate_label"]), r["concurrency"],
                                                           r["nominal_tokens"], _mode_key(r["mode"])))
     table = []
@@ -105,6 +105,9 @@ def e2e_markdown(result: dict[str, Any]) -> str:
                       None if r.get("wire_bytes_measured") is None else r["wire_bytes_measured"] / 1e6,
                       r["ideal_ttft_s"], r["ttft_vs_ideal"],
                       None if r.get("acceptance") is None else f"{r['acceptance']:.1%}",
+                      None if r.get("speculated") is None else r["speculated"] / r["n"],
+                      None if r.get("stopped_low_margin") is None
+                      else f"{r['stopped_low_margin']}+{r.get('first_token_mismatch') or 0}",
                       None if r.get("first_token_on_anchor") is None else f"{r['first_token_on_anchor']}/{r['n']}",
                       None if r.get("output_equal_full") is None else f"{r['output_equal_full']:.0%}",
                       None if r.get("needle_accuracy") is None else f"{r['needle_accuracy']:.0%}"])
@@ -112,10 +115,12 @@ def e2e_markdown(result: dict[str, Any]) -> str:
     out.append("\nideal TTFT: " + result.get("ideal_model", "") + ". `=full`: share of requests whose text equals "
                "the full mode's for the same prompt. `needle`: share of answers containing the needle number. `1st on anchor`: "
                "speculative requests whose first token (P's full-precision token, confirmed by D's first anchor-phase "
-               "token) was released when the anchor landed.\n")
+               "token) was released when the anchor landed. `held/req`: tokens decoded on the anchor and held per "
+               "request; `gate stops`: requests whose anchor phase the confidence gate stopped on a low margin + "
+               "those whose first anchor token was not P's.\n")
     checks = result.get("checks", [])
     if checks:
-        out.append("\n### Targets (issue 6), concurrency 1\n")
+        out.append("\n### Targets (issues 5 and 6), concurrency 1\n")
         out.append(_md_table(["regime", "metric", "value", "target", "verdict"],
                              [[c["regime"], c["metric"], c["value"], f"{c['op']} {c['target']}",
                                "n/a" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL")] for c in checks]))

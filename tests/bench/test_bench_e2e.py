@@ -21,7 +21,8 @@ SHAPE = e2e.ModelShape(layers=30, kv_heads=3, head_dim=64)
 ROW_KEYS = {"mode", "rate_label", "link_gbps", "concurrency", "prompt_tokens", "n", "errors", "prefill_s",
             "ttft_s_median", "ttft_s_p90", "tt32_s_median", "tt32_s_p90", "tt64_s_median", "tt64_s_p90",
             "wire_bytes", "wire_bytes_measured", "bits_per_value", "ideal_ttft_s", "ttft_vs_ideal", "speculated",
-            "accepted", "acceptance", "needle_accuracy", "output_equal_full"}
+            "accepted", "acceptance", "needle_accuracy", "output_equal_full", "stopped_low_margin",
+            "first_token_mismatch"}
 
 
 def test_quantile_interpolates_and_ignores_none() -> None:
@@ -67,11 +68,13 @@ def _req(mode: str, ttft: float, seed: int = 1, sha: str = "a") -> dict:
 
 
 def test_summarize_cell_and_equality() -> None:
-    delta = {"anchor_bytes": 3e6, "residual_bytes": 2e6, "lynx_drafted": 40.0, "lynx_accepted": 36.0}
+    delta = {"anchor_bytes": 3e6, "residual_bytes": 2e6, "lynx_drafted": 40.0, "lynx_accepted": 36.0,
+             "lynx_stop_low_margin": 2.0}
     reqs = [_req("speculative", 1.0, 1, "x"), _req("speculative", 2.0, 2, "y")]
     row = e2e.summarize_cell(reqs, "speculative", 1024, 1, 0.1, "r", 0.5, SHAPE, delta)
     assert ROW_KEYS - {"output_equal_full"} <= set(row)
     assert row["ttft_s_median"] == 1.5 and row["acceptance"] == pytest.approx(0.9)
+    assert (row["stopped_low_margin"], row["first_token_mismatch"]) == (2, 0)
     assert row["wire_bytes_measured"] == 2_500_000 and row["ttft_vs_ideal"] > 0
     full = [_req("full", 1.0, 1, "x"), _req("full", 2.0, 2, "z")]
     everything = reqs + full
@@ -88,15 +91,20 @@ def test_targets_and_report_render(tmp_path: Path) -> None:
     rows = []
     for label, ratio, gbps in (("slow", 10.0, 0.05), ("fast", 0.5, 1.0)):
         for mode, ttft in (("int8", 3.0), ("int4", 2.0), ("full", 3.0), ("speculative", 2.0)):
-            r = e2e.summarize_cell([_req(mode, ttft)], mode, 1024, 1, gbps, label, 0.5, SHAPE, {})
+            delta = {"lynx_drafted": 10.0, "lynx_accepted": 9.0} if mode == "speculative" else {}
+            r = e2e.summarize_cell([_req(mode, ttft)], mode, 1024, 1, gbps, label, 0.5, SHAPE, delta)
             r["target_ratio"] = ratio
-            r["output_equal_full"] = None
+            r["output_equal_full"] = 1.0 if mode == "speculative" else None
             rows.append(r)
     checks = e2e.evaluate_targets(rows, [0.5, 2.0, 10.0])
     by = {(c["regime"], c["metric"]): c["pass"] for c in checks}
     assert by[("slow", "int8 TTFT / speculative TTFT")] is True  # 3.0 / 2.0 = 1.5
     assert by[("slow", "speculative TTFT / int4 TTFT")] is True  # 1.0
     assert by[("fast", "full TTFT / int8 TTFT")] is True
+    assert by[("slow", "full TTFT / speculative TTFT")] is True  # 1.5 >= 1.43
+    assert by[("slow", "speculative acceptance (accepted / speculated)")] is True  # 0.9
+    assert by[("slow", "speculative outputs equal to full (share)")] is True
+    assert by[("slow", "speculative TT32T / full TT32T")] is True  # 3.0 / 4.0
     result = {"bench": "e2e", "rows": rows, "checks": checks, "config": {"max_tokens": 64}, "model": "m",
               "deployments": [{"label": "slow", "link_gbps": 0.05, "prefill_s": {"1024": 0.5}, "loadavg": [1, 1, 1]}],
               "speculative": {"available": True, "note": "n"}, "hardware": {"cpu": "cpu"}, "versions": {},
