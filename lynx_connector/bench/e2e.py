@@ -226,6 +226,8 @@ class Plan:
     serve_args: tuple[str, ...] = ()
     p_cpus: str | None = None
     d_cpus: str | None = None
+    #: D's speculative_min_margin (None: the connector's default).
+    spec_min_margin: float | None = None
 
 
 class Progress:
@@ -400,7 +402,7 @@ def start_deployment(model: str, log_dir: Path, gbps: float | None, spec_args: l
     """P + D + proxy (D with ``spec_args``); when D cannot start with them, once more without (noted)."""
     from lynx_connector.launch import Deployment
 
-    dep = Deployment(model, log_dir / "rate0", kv_transfer_config=kv_config(gbps), max_model_len=plan.max_model_len,
+    dep = Deployment(model, log_dir / "rate0", kv_transfer_config=kv_config(gbps, plan.spec_min_margin), max_model_len=plan.max_model_len,
                      extra_serve_args=list(plan.serve_args))
     dep.decode.argv = dep.decode.argv + spec_args
     pin(dep, plan)
@@ -415,7 +417,7 @@ def start_deployment(model: str, log_dir: Path, gbps: float | None, spec_args: l
             raise
         tail = dep.decode.log_tail(15)
         logger.warning("D did not start with the speculative scheduler (%s); retrying without it", exc)
-        dep = Deployment(model, log_dir / "rate0-nospec", kv_transfer_config=kv_config(gbps),
+        dep = Deployment(model, log_dir / "rate0-nospec", kv_transfer_config=kv_config(gbps, plan.spec_min_margin),
                          max_model_len=plan.max_model_len, extra_serve_args=list(plan.serve_args))
         dep.spec_failed = f"D failed to start with the speculative scheduler: {tail[-300:]}"
         pin(dep, plan)
@@ -441,7 +443,7 @@ def restart_decode(dep: Any, model: str, gbps: float | None, spec_args: list[str
 
     d = dep.decode
     d.stop()
-    d.argv = serve_argv(model, d.port, kv_config(gbps), max_model_len=plan.max_model_len,
+    d.argv = serve_argv(model, d.port, kv_config(gbps, plan.spec_min_margin), max_model_len=plan.max_model_len,
                         extra=list(plan.serve_args)) + spec_args
     d.log_path = log_path
     d.start()
@@ -468,9 +470,11 @@ def build_prompts(tok: Any, lengths: list[int], count: int, task: str = "summary
                 for i in range(count)] for n in lengths}
 
 
-def kv_config(link_gbps: float | None) -> str:
-    return json.dumps({"kv_connector": "lynx",
-                       "kv_connector_extra_config": {"mode": "full", "link_gbps": link_gbps}})
+def kv_config(link_gbps: float | None, spec_min_margin: float | None = None) -> str:
+    extra: dict[str, Any] = {"mode": "full", "link_gbps": link_gbps}
+    if spec_min_margin is not None:
+        extra["speculative_min_margin"] = spec_min_margin
+    return json.dumps({"kv_connector": "lynx", "kv_connector_extra_config": extra})
 
 
 def ref_bf16_bytes(num_tokens: int, shape: ModelShape) -> int:
@@ -507,7 +511,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     p_cpus = args.p_cpus if args.p_cpus is not None else ("0" if ncpu >= 2 else None)
     d_cpus = args.d_cpus if args.d_cpus is not None else ("1" if ncpu >= 2 else None)
     plan = Plan(modes, lengths, repeats, conc, conc_length, args.max_tokens, args.cache_dtype, max_len,
-                tuple(shlex.split(args.serve_args or "")), p_cpus or None, d_cpus or None)
+                tuple(shlex.split(args.serve_args or "")), p_cpus or None, d_cpus or None, args.spec_min_margin)
     model = args.model or str(prepare())
     shape = model_shape(model)
     tok = AutoTokenizer.from_pretrained(model)
@@ -614,6 +618,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "ref_tokens": ref_tokens, "explicit_link_gbps": explicit, "conc_ratios": conc_ratios,
                    "task": args.task, "ignore_eos": True,
                    "temperature": 0.0, "max_model_len": max_len, "serve_args": list(plan.serve_args),
+                   "spec_min_margin": plan.spec_min_margin,
                    "p_cpus": plan.p_cpus, "d_cpus": plan.d_cpus},
         "speculative": {"available": spec_available, "note": spec_note},
         "calibration_prefill_s": calib_prefill,
@@ -725,6 +730,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model path (default: the prepared SmolLM2-135M-Instruct)")
     p.add_argument("--serve-args", default=None, help="extra `lynx serve` arguments for P and D, one string; "
                    "later values override the CPU defaults (e.g. '--dtype bfloat16 --gpu-memory-utilization 0.4')")
+    p.add_argument("--spec-min-margin", type=float, default=None, help="D's speculative_min_margin, the "
+                   "confidence gate of the speculative mode (default: the connector's; 0 = hold every token up to "
+                   "the cap)")
     p.add_argument("--max-model-len", type=int, default=None, help=f"servers' max model length ({MAX_MODEL_LEN})")
     p.add_argument("--p-cpus", default=None, help="P's VLLM_CPU_OMP_THREADS_BIND (default 0 on >= 2 cores; "
                    "'' = unpinned)")

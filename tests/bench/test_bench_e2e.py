@@ -155,3 +155,10 @@ def test_ideal_at_concurrency_one_is_per_request() -> None:
     assert row["ideal_ttft_s"] == pytest.approx(expected)
     batch = e2e.summarize_cell(reqs, "bf16", 1024, 2, 1.0, "r", 0.5, SHAPE, {})
     assert batch["ideal_ttft_s"] > row["ideal_ttft_s"]
+
+
+def test_kv_config_carries_the_gate_only_when_given() -> None:
+    plain = json.loads(e2e.kv_config(0.5))["kv_connector_extra_config"]
+    assert plain == {"mode": "full", "link_gbps": 0.5}
+    off = json.loads(e2e.kv_config(None, 0.0))["kv_connector_extra_config"]
+    assert off["speculative_min_margin"] == 0.0 and off["link_gbps"] is None
