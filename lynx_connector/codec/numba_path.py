@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -80,6 +80,28 @@ def _tables(a: TileAddr, block_size: int, head_size: int) -> tuple[np.ndarray, n
 
 
 _EMPTY = np.empty(0, np.uint8)
+
+
+class _TensorArgs(NamedTuple):
+    """One tensor's (K or V) arguments of a kernel call, in the kernels' tuple order."""
+
+    tile_base: np.ndarray  # per block: offset of its tile for head 0
+    s_head: int
+    off_t: np.ndarray
+    off_d: np.ndarray
+    t_contig: bool
+    d_contig: bool
+    channel: bool  # channel groups (else token groups)
+    g: int
+    codes: np.ndarray
+    scale: np.ndarray
+    mn: np.ndarray
+    res: np.ndarray
+
+    def channel_kernel_args(self) -> tuple[Any, ...]:
+        """The tuple of the channel-group kernels (no ``channel`` flag)."""
+        return (self.tile_base, self.s_head, self.off_t, self.off_d, self.t_contig, self.d_contig, self.g,
+                self.codes, self.scale, self.mn, self.res)
 _PLANS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
 
@@ -127,30 +149,31 @@ def _run(codec: GroupQuantCodec, kv_layer: torch.Tensor, block_ids: BlockIds, la
     kind_code = _KINDS[layout.dtype]
     packed, two = codec.bits == 4, residual is not None
     bs = layout.block_size
-    args = []
-    for s_block, base, s_head, off_t, off_d, contig, t_contig, a0, nc, ng, (r0, r1), channel, g in tensors:
-        args.append((ids * s_block + base, s_head, off_t, off_d, t_contig, contig, channel, g, a_np[a0:a0 + nc],
-                     a_np[a0 + nc:a0 + nc + 2 * ng].view(np.uint16), a_np[a0 + nc + 2 * ng:a0 + nc + 4 * ng].view(np.uint16),
-                     _EMPTY if r_np is None else r_np[r0:r1]))
+    k, v = (_TensorArgs(ids * s_block + base, s_head, off_t, off_d, t_contig, contig, channel, g, a_np[a0:a0 + nc],
+                        a_np[a0 + nc:a0 + nc + 2 * ng].view(np.uint16),
+                        a_np[a0 + nc + 2 * ng:a0 + nc + 4 * ng].view(np.uint16),
+                        _EMPTY if r_np is None else r_np[r0:r1])
+            for s_block, base, s_head, off_t, off_d, contig, t_contig, a0, nc, ng, (r0, r1), channel, g in tensors)
     if kind_code == 0:  # fp32 caches: K and V in one pass over the cache where the kernels allow
         f32 = flat.view(np.float32)
         if skip is not None:
-            kernels.decode_f32_kv(f32, bs, t, h, skip, packed, two, args[0], args[1])
+            kernels.decode_f32_kv(f32, bs, t, h, skip, packed, two, tuple(k), tuple(v))
             return True
-        if args[0][6] and args[1][6]:
-            span = math.lcm(args[0][7], args[1][7])
-            k, v = ((*a[:6], a[7], *a[8:]) for a in args)  # (tile_base, ..., d_contig, g, planes)
-            return kernels.encode_f32_kv(f32, bs, t, h, span, codec.levels, packed, two, k, v) == kernels.OK
-    for tile_base, s_head, off_t, off_d, t_contig, contig, channel, g, codes, scale, mn, res in args:
-        if kind_code == 0 and channel:  # fp32 channel-group encode (one tensor): the vectorized kernel
-            status = kernels.encode_f32_channel(flat.view(np.float32), tile_base, s_head, off_t, off_d, t_contig,
-                                                contig, bs, t, h, g, codec.levels, packed, two, codes, scale, mn, res)
+        if k.channel and v.channel:
+            return kernels.encode_f32_kv(f32, bs, t, h, math.lcm(k.g, v.g), codec.levels, packed, two,
+                                         k.channel_kernel_args(), v.channel_kernel_args()) == kernels.OK
+    for a in (k, v):
+        if kind_code == 0 and a.channel:  # fp32 channel-group encode (one tensor): the vectorized kernel
+            status = kernels.encode_f32_channel(flat.view(np.float32), a.tile_base, a.s_head, a.off_t, a.off_d,
+                                                a.t_contig, a.d_contig, bs, t, h, a.g, codec.levels, packed, two,
+                                                a.codes, a.scale, a.mn, a.res)
         elif skip is None:
-            status = kernels.encode_tensor(flat, kind_code, tile_base, s_head, off_t, off_d, contig, bs, t, h, channel,
-                                           g, codec.levels, packed, two, codes, scale, mn, res)
+            status = kernels.encode_tensor(flat, kind_code, a.tile_base, a.s_head, a.off_t, a.off_d, a.d_contig, bs,
+                                           t, h, a.channel, a.g, codec.levels, packed, two, a.codes, a.scale, a.mn,
+                                           a.res)
         else:
-            status = kernels.decode_tensor(flat, kind_code, tile_base, s_head, off_t, off_d, contig, bs, t, h, skip,
-                                           channel, g, packed, two, codes, scale, mn, res)
+            status = kernels.decode_tensor(flat, kind_code, a.tile_base, a.s_head, a.off_t, a.off_d, a.d_contig, bs,
+                                           t, h, skip, a.channel, a.g, packed, two, a.codes, a.scale, a.mn, a.res)
         if status != kernels.OK:
             return False
     return True
