@@ -109,10 +109,11 @@ class LynxSpecScheduler(Scheduler):
         if self._lynx is not None:
             for req_id in sorted(self._lynx.take_residual_merged()):
                 self._on_residual_merged(req_id)
-            for req_id in self._lynx.spec_pending:  # not on the worker yet: ask for the logprobs the gate needs
-                req = self.requests.get(req_id)
-                if req is not None and req_id not in self._spec:
-                    self._gate.prepare(req)
+            if self._gate.enabled:  # requests not on the worker yet: ask for the logprobs the gate needs
+                for req_id in self._lynx.spec_pending:
+                    req = self.requests.get(req_id)
+                    if req is not None and req_id not in self._spec:
+                        self._gate.prepare(req)
         for st in self._spec.values():  # (re)assert the drafts of pending passes (the proposer's [] clears them)
             if st.phase is Phase.VERIFY and st.scheduled is None:
                 req = self.requests.get(st.req_id)
