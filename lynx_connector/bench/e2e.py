@@ -656,16 +656,19 @@ def evaluate_targets(rows: list[dict], ratios: list[float]) -> list[dict[str, An
     """The issue's latency targets, judged on concurrency-1 medians pooled per rate (None = not measurable)."""
     checks: list[dict[str, Any]] = []
 
+    def cells(label: str, mode: str, any_concurrency: bool = False) -> list[dict]:
+        return [r for r in rows if r["rate_label"] == label and r["mode"] == mode
+                and (any_concurrency or r["concurrency"] == 1)]
+
     def med(label: str, mode: str, key: str) -> float | None:
-        vals = [r[key] for r in rows if r["rate_label"] == label and r["mode"] == mode and r["concurrency"] == 1
-                and r[key] is not None]
+        vals = [r[key] for r in cells(label, mode) if r[key] is not None]
         return statistics.median(vals) if vals else None
+
+    def pooled(label: str, key: str) -> int:
+        return sum(r[key] or 0 for r in cells(label, "speculative"))
 
     hi = list(dict.fromkeys(r["rate_label"] for r in rows if ratios and r.get("target_ratio") == max(ratios)))
     lo = list(dict.fromkeys(r["rate_label"] for r in rows if ratios and r.get("target_ratio") == min(ratios)))
-    def pooled(label: str, key: str) -> int:
-        return sum(r[key] or 0 for r in rows if r["rate_label"] == label and r["mode"] == "speculative"
-                   and r["concurrency"] == 1)
 
     for label in hi:
         spec, i8, i4, full = (med(label, m, "ttft_s_median") for m in ("speculative", "int8", "int4", "full"))
@@ -685,8 +688,8 @@ def evaluate_targets(rows: list[dict], ratios: list[float]) -> list[dict[str, An
         held = pooled(label, "speculated")
         checks.append(_check(label, "speculative acceptance (accepted / speculated)",
                              pooled(label, "accepted") / held if held else None, ">=", TARGETS["spec_acceptance"]))
-        eq = [r["output_equal_full"] for r in rows if r["rate_label"] == label and r["mode"] == "speculative"
-              and r.get("output_equal_full") is not None]
+        eq = [r["output_equal_full"] for r in cells(label, "speculative", any_concurrency=True)
+              if r.get("output_equal_full") is not None]
         checks.append(_check(label, "speculative outputs equal to full (share)", min(eq) if eq else None,
                              ">=", 1.0))
     for label in lo:
