@@ -11,7 +11,7 @@ the tokens differ from decoding on the exact KV (``--tokens`` when they never do
 ``--margins``: for the Lynx default grouping only, the calibration of the speculative mode's confidence gate
 (``speculative_min_margin``): the anchor's top-two logit margin at each position, the margin where the first
 difference occurs, and per threshold what the gate would hold and verification accept over ``--tokens``
-positions (the policy of ``lynx_connector.spec``: P's full-precision first token is released when D's first
+positions (the policy of ``lynx_connector.speculative``: P's full-precision first token is released when D's first
 anchor token equals it, and nothing is held when it does not; then tokens are held up to the first one whose
 margin is below the threshold).
 

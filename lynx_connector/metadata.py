@@ -109,7 +109,7 @@ class RemotePrefill:
     num_tokens: int
     mode: str
     #: The token P sampled after the prompt (full-precision KV), when it sampled one. A speculative D releases
-    #: it as soon as the anchor lands (lynx_connector.spec.scheduler); the other modes ignore it.
+    #: it as soon as the anchor lands (lynx_connector.speculative.scheduler); the other modes ignore it.
     first_token: int | None = None
 
     def to_params(self) -> dict[str, Any]:

@@ -36,9 +36,9 @@ CONNECTOR_MODULE = "lynx_connector.connector"
 PRESET_MODES: tuple[str, ...] = ("full", "anchor", "speculative", "bf16", "fp8", "int8", "int4")
 DEFAULT_MODE = "full"
 
-#: What a speculative-mode instance needs besides the connector (lynx_connector/spec/).
-SPEC_SCHEDULER = "lynx_connector.spec.scheduler.LynxSpecScheduler"
-NULL_PROPOSER = "lynx_connector.spec.proposer.NullProposer"
+#: What a speculative-mode instance needs besides the connector (lynx_connector/speculative/).
+SPEC_SCHEDULER = "lynx_connector.speculative.scheduler.LynxSpecScheduler"
+NULL_PROPOSER = "lynx_connector.speculative.proposer.NullProposer"
 DEFAULT_MAX_SPECULATIVE_TOKENS = 64
 MAX_SPEC_LEN = 128  # vLLM's RejectionSampler limit on drafts per step
 

@@ -12,7 +12,7 @@ the worker confirms the pull is cancelled, so nothing writes into blocks that we
 
 Speculative mode (D): the request is reported ready when its anchor is merged and the residual keeps
 streaming into the same blocks; ``residual_merged`` / ``residual_failed`` come back through the worker
-metadata and are consumed by :class:`lynx_connector.spec.scheduler.LynxSpecScheduler`, which registers itself
+metadata and are consumed by :class:`lynx_connector.speculative.scheduler.LynxSpecScheduler`, which registers itself
 here (``speculation_enabled``). Without that scheduler a speculative request is served as ``full`` (decoding
 on an unverified anchor would return lossy tokens). Until its residual is merged the request's blocks may
 still be written: an abort keeps them until the worker confirms (as above), a preemption cancels the pull in
@@ -34,7 +34,7 @@ from lynx_connector.metadata import (
     RemotePrefill,
     SaveSpec,
 )
-from lynx_connector.spec.messages import SpecConnectorMetadata, SpecWorkerMeta, parse_test_hooks
+from lynx_connector.speculative.messages import SpecConnectorMetadata, SpecWorkerMeta, parse_test_hooks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -180,7 +180,7 @@ class LynxConnectorScheduler:
             logger.warning("Request %s asks for lynx_mode speculative but this decode instance runs without the "
                            "Lynx speculative scheduler (--scheduler-cls %s with a custom_class speculative "
                            "config; the lynx:speculative preset sets both): serving it and the next ones as "
-                           "'full'", req_id, "lynx_connector.spec.scheduler.LynxSpecScheduler")
+                           "'full'", req_id, "lynx_connector.speculative.scheduler.LynxSpecScheduler")
         return "full"
 
     # ---- D: speculative mode ----------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from lynx_connector.metadata import (
     RecvSpec,
     SaveSpec,
 )
-from lynx_connector.spec.messages import SpecConnectorMetadata, SpecWorkerMeta
+from lynx_connector.speculative.messages import SpecConnectorMetadata, SpecWorkerMeta
 from lynx_connector.stats import LynxStats
 from lynx_connector.transport import TransferSink, TransferSource, TransportConfig
 
@@ -60,7 +60,7 @@ class _Recv:
     anchor_landed: bool = False
     residual_landed: bool = False
     reported: bool = False  # finished_recving already sent to the scheduler
-    hooks: dict[str, Any] = field(default_factory=dict)  # test-only (spec/messages.py)
+    hooks: dict[str, Any] = field(default_factory=dict)  # test-only (speculative/messages.py)
     anchor_step: int = -1  # worker step in which the anchor was written (speculative mode)
 
 

@@ -172,12 +172,12 @@ class Engine:
 
 def speculative_overrides() -> tuple[dict[str, Any] | None, str]:
     """Engine arguments that turn D's speculative mode on (the Lynx scheduler and the null proposer that
-    switches vLLM's verification on), when this checkout has ``lynx_connector.spec``."""
+    switches vLLM's verification on), when this checkout has ``lynx_connector.speculative``."""
     try:
-        from lynx_connector.spec.proposer import NULL_PROPOSER
-        from lynx_connector.spec.scheduler import SPEC_SCHEDULER
+        from lynx_connector.speculative.proposer import NULL_PROPOSER
+        from lynx_connector.speculative.scheduler import SPEC_SCHEDULER
     except ImportError as exc:
-        return None, f"lynx_connector.spec is not usable here ({exc})"
+        return None, f"lynx_connector.speculative is not usable here ({exc})"
     k = 16
     return ({"scheduler_cls": SPEC_SCHEDULER,
              "speculative_config": {"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": k}},

@@ -365,8 +365,8 @@ def detect_speculative(dep: Any, model: str, prompt: Any, log_path: Path) -> tup
     move during a speculative request, or D's log names the Lynx speculative scheduler."""
     import importlib.util
 
-    if importlib.util.find_spec("lynx_connector.spec") is None:
-        return False, "lynx_connector.spec is not part of this checkout"
+    if importlib.util.find_spec("lynx_connector.speculative") is None:
+        return False, "lynx_connector.speculative is not part of this checkout"
     before = scrape_counters(dep.decode.url)
     res = _one_request(dep.url, model, prompt, "speculative", 16)
     delta = counter_delta(before, scrape_counters(dep.decode.url))
@@ -378,7 +378,7 @@ def detect_speculative(dep: Any, model: str, prompt: Any, log_path: Path) -> tup
         log = log_path.read_text(errors="replace")
     except OSError:
         log = ""
-    if "lynx_connector.spec" in log:
+    if "lynx_connector.speculative" in log:
         return True, "D runs the Lynx speculative scheduler (from its log)"
     return False, "D is not configured for speculative decoding (no speculated tokens, no Lynx scheduler in its log)"
 
@@ -386,12 +386,12 @@ def detect_speculative(dep: Any, model: str, prompt: Any, log_path: Path) -> tup
 # ---- deployment: P and proxy once, D restarted per link rate ------------------------------------------------
 def speculative_serve_args() -> tuple[list[str], str]:
     """D's extra ``lynx serve`` arguments for the speculative mode (scheduler + null proposer), when the
-    checkout has ``lynx_connector.spec``."""
+    checkout has ``lynx_connector.speculative``."""
     try:
-        from lynx_connector.spec.proposer import NULL_PROPOSER
-        from lynx_connector.spec.scheduler import SPEC_SCHEDULER
+        from lynx_connector.speculative.proposer import NULL_PROPOSER
+        from lynx_connector.speculative.scheduler import SPEC_SCHEDULER
     except ImportError as exc:
-        return [], f"lynx_connector.spec is not usable here ({exc})"
+        return [], f"lynx_connector.speculative is not usable here ({exc})"
     k = 64
     return (["--scheduler-cls", SPEC_SCHEDULER, "--speculative-config",
              json.dumps({"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": k})],

@@ -1,4 +1,4 @@
-"""The gate-calibration arithmetic of benchmarks/anchor_agreement.py (the policy of lynx_connector.spec)."""
+"""The gate-calibration arithmetic of benchmarks/anchor_agreement.py (the policy of lynx_connector.speculative)."""
 
 from __future__ import annotations
 

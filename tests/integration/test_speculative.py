@@ -48,8 +48,8 @@ def prompts(model):
 
 
 def spec_d_config(**extra):
-    from lynx_connector.spec.proposer import NULL_PROPOSER
-    from lynx_connector.spec.scheduler import SPEC_SCHEDULER
+    from lynx_connector.speculative.proposer import NULL_PROPOSER
+    from lynx_connector.speculative.scheduler import SPEC_SCHEDULER
 
     return dict(scheduler_cls=SPEC_SCHEDULER,
                 speculative_config={"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": K},
@@ -311,7 +311,7 @@ def _expected_gate(anchor: dict, gate: float, prefill_token: int | None) -> tupl
     """(speculated, first_token_early, stopped_low_margin, first_token_mismatch) that the gate must report, from
     an ``anchor``-mode run with logprobs=2: P's token (when it may be released) must equal D's first anchor
     token, then tokens are held up to the first one whose top-two margin is below ``gate``, at most CAP."""
-    from lynx_connector.spec.confidence import token_margin
+    from lynx_connector.speculative.confidence import token_margin
 
     tokens = anchor["token_ids"]
     margins = [token_margin([t, *lp], [lp[t], *lp.values()]) for lp, t in zip(anchor["top_logprobs"], tokens,

@@ -11,7 +11,7 @@ import pytest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.outputs import LogprobsLists
 
-from lynx_connector.spec.confidence import GATE_LOGPROBS, ConfidenceGate, token_margin
+from lynx_connector.speculative.confidence import GATE_LOGPROBS, ConfidenceGate, token_margin
 
 
 def _req(req_id: str, finished: bool = False, **sp):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lynx_connector.spec.state import Phase, SpecState
+from lynx_connector.speculative.state import Phase, SpecState
 
 
 def _state(held: list[int]) -> SpecState:

@@ -18,7 +18,7 @@ A vLLM ``Scheduler`` subclass. For a request whose KV arrives in ``speculative``
    agrees). Released tokens go through vLLM's own stop checks, logprobs and outputs: they are those of
    the verification pass.
 
-Confidence gate (greedy requests, ``speculative_min_margin``; ``lynx_connector.spec.confidence``): a token
+Confidence gate (greedy requests, ``speculative_min_margin``; ``lynx_connector.speculative.confidence``): a token
 sampled on the anchor whose top-two logit margin is below the threshold is not held and the request waits
 for the residual, as it does at the cap; the verification pass decodes that position at full precision.
 
@@ -51,8 +51,8 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
 from lynx_connector.logger import init_logger
-from lynx_connector.spec.confidence import ConfidenceGate
-from lynx_connector.spec.state import Phase, SpecState
+from lynx_connector.speculative.confidence import ConfidenceGate
+from lynx_connector.speculative.state import Phase, SpecState
 from lynx_connector.stats import LynxStats
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-SPEC_SCHEDULER = "lynx_connector.spec.scheduler.LynxSpecScheduler"
+SPEC_SCHEDULER = "lynx_connector.speculative.scheduler.LynxSpecScheduler"
 #: Key of the per-request speculation counters added to the final output's kv_transfer_params.
 SPEC_PARAMS_KEY = "lynx_speculation"
 

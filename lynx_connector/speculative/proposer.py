@@ -2,7 +2,7 @@
 
 Its only job is to switch vLLM's verification machinery on: with a speculative config vLLM builds the
 ``RejectionSampler``, schedules ``spec_token_ids`` as draft tokens and rolls rejected positions back. The
-drafts themselves come from :class:`lynx_connector.spec.scheduler.LynxSpecScheduler` (the tokens decoded on
+drafts themselves come from :class:`lynx_connector.speculative.scheduler.LynxSpecScheduler` (the tokens decoded on
 the anchor), never from this class. Choosing ``custom_class`` also forces Model Runner V1 and synchronous
 scheduling, which the scheduler relies on (MRV2 ignores scheduler-provided draft values).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-NULL_PROPOSER = "lynx_connector.spec.proposer.NullProposer"
+NULL_PROPOSER = "lynx_connector.speculative.proposer.NullProposer"
 
 
 class NullProposer:

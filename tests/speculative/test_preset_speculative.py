@@ -74,7 +74,7 @@ def test_scheduler_class_resolves(serve_parser: argparse.ArgumentParser) -> None
     """vLLM resolves the filled-in scheduler class the way it does at engine start."""
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
-    from lynx_connector.spec.scheduler import LynxSpecScheduler
+    from lynx_connector.speculative.scheduler import LynxSpecScheduler
 
     ea = _engine_args(serve_parser, "--kv-transfer-config", "lynx:speculative")
     assert resolve_obj_by_qualname(ea.scheduler_cls) is LynxSpecScheduler
