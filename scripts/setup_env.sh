@@ -52,4 +52,4 @@ else
 fi
 
 # The real model, converted once into the user's cache (LYNX_CACHE_DIR overrides), shared by every checkout.
-"$VPY" -m lynx_connector.models prepare >&2
+"$VPY" -m lynx_connector.lab.models prepare >&2

@@ -36,7 +36,7 @@ def test_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_missing_bench_module_is_not_available(monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setitem(sys.modules, "lynx_connector.bench.accuracy", None)  # import -> ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "lynx_connector.lab.bench.accuracy", None)  # import -> ModuleNotFoundError
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "accuracy", "--anything"])
     assert e.value.code == 2
@@ -54,10 +54,10 @@ def test_bench_module_is_used(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
         seen["tokens"] = args.tokens
         return {"bench": "codec", "rows": []}
 
-    fake = types.ModuleType("lynx_connector.bench.codec")
+    fake = types.ModuleType("lynx_connector.lab.bench.codec")
     fake.add_parser = add_parser  # type: ignore[attr-defined]
     fake.run = run  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "lynx_connector.bench.codec", fake)
+    monkeypatch.setitem(sys.modules, "lynx_connector.lab.bench.codec", fake)
     assert cli.main(["bench", "codec", "--tokens", "7"]) == 0
     assert seen == {"tokens": 7}
     assert capsys.readouterr().out == ""  # the module prints its own report
@@ -66,13 +66,13 @@ def test_bench_module_is_used(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
 def test_demo_and_prepare_model(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                                 tmp_path: Path) -> None:
     calls: list[Any] = []
-    fake_demo = types.ModuleType("lynx_connector.demo")
+    fake_demo = types.ModuleType("lynx_connector.lab.demo")
     fake_demo.main = lambda args: calls.append(("demo", args.rest)) or 0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "lynx_connector.demo", fake_demo)
+    monkeypatch.setitem(sys.modules, "lynx_connector.lab.demo", fake_demo)
     assert cli.main(["demo", "--quick"]) == 0
     assert calls == [("demo", ["--quick"])]
 
-    from lynx_connector import models
+    from lynx_connector.lab import models
 
     monkeypatch.setattr(models, "prepare", lambda force=False: calls.append(("prepare", force)) or tmp_path)
     assert cli.main(["prepare-model", "--force"]) == 0
@@ -133,10 +133,10 @@ def _connector_complete() -> bool:
 def test_lynx_serve_with_preset(tmp_path: Path) -> None:
     """``lynx serve MODEL --kv-transfer-config lynx`` in a fresh process: the preset is expanded and vLLM
     creates LynxConnector; once the connector is complete the server must also become healthy."""
-    from lynx_connector.models import is_prepared, model_dir
+    from lynx_connector.lab.models import is_prepared, model_dir
 
     if not is_prepared():
-        pytest.skip("model not prepared (python -m lynx_connector.models prepare)")
+        pytest.skip("model not prepared (python -m lynx_connector.lab.models prepare)")
     port = _free_port()
     log_path = tmp_path / "serve.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lynx_connector import data, models
+from lynx_connector.lab import data, models
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,7 +130,7 @@ def test_cli_fast_path_prints_one_line_and_imports_no_torch(tmp_path: Path) -> N
     (target / models.MARKER).write_text(json.dumps({"version": models.PREP_VERSION}))
     env = {**os.environ, "LYNX_MODEL_DIR": str(target)}
     code = (
-        "import sys; from lynx_connector import models; rc = models.main(['prepare']); "
+        "import sys; from lynx_connector.lab import models; rc = models.main(['prepare']); "
         "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'heavy import on the fast path'; "
         "sys.exit(rc)"
     )

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from lynx_connector.bench import common
 from lynx_connector.codec import KVLayout, decode_anchor, encode, get_codec, merge_residual
+from lynx_connector.lab.bench import common
 
 CODECS = ("lynx", "int4", "int4_kivi", "int8", "fp8", "bf16")
 TRITON_CODECS = ("lynx", "int4", "int4_kivi")

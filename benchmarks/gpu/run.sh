@@ -29,10 +29,10 @@ echo "== 1. codec kernels (GB/s vs device copy) and Triton/torch bit-exactness, 
 timeout 600 $PY benchmarks/gpu/gpu_codec.py --out "$OUT/gpu_codec.json" | tee "$OUT/gpu_codec.txt" || echo "codec step failed: $?"
 
 echo "== 2. e2e: real 1P1D on one GPU, paced link, $MODEL"
-# Later serve arguments override the CPU defaults of lynx_connector.launch.serve_argv.
+# Later serve arguments override the CPU defaults of lynx_connector.lab.launch.serve_argv.
 SERVE_ARGS="--dtype bfloat16 --gpu-memory-utilization $GPU_MEM --block-size 16 --max-num-batched-tokens $MAX_LEN \
 --max-num-seqs 16"
-timeout 3000 $PY -m lynx_connector.bench.e2e --model "$MODEL" --cache-dtype bfloat16 --max-model-len "$MAX_LEN" \
+timeout 3000 $PY -m lynx_connector.lab.bench.e2e --model "$MODEL" --cache-dtype bfloat16 --max-model-len "$MAX_LEN" \
   --serve-args "$SERVE_ARGS" --lengths "$LENGTHS" --conc-length "$CONC_LENGTH" --ref-tokens "$CONC_LENGTH" \
   --repeats 3 --concurrency 1,4 --out "$OUT/e2e_gpu.json" --log-dir "$OUT/logs" | tee "$OUT/e2e_gpu.txt"
 echo "results in $OUT (commit the JSON/MD/PNG, not the logs)"

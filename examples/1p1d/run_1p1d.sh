@@ -25,7 +25,7 @@ LOG_DIR=${LOG_DIR:-./lynx-1p1d-logs}
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-600}
 KEEP=${KEEP:-0}
 if [[ -z "${MODEL:-}" ]]; then
-  MODEL=$("$PYTHON" -c 'from lynx_connector.models import model_dir; print(model_dir())')
+  MODEL=$("$PYTHON" -c 'from lynx_connector.lab.models import model_dir; print(model_dir())')
 fi
 mkdir -p "$LOG_DIR"
 export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lynx_connector.bench import accuracy, report
+from lynx_connector.lab.bench import accuracy, report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,13 +62,13 @@ def test_summarize_against_reference() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
-    from lynx_connector.models import is_prepared
+    from lynx_connector.lab.models import is_prepared
 
     if not is_prepared():
         pytest.skip("the real model is not prepared")
     out = tmp_path / "accuracy.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "lynx_connector.bench.accuracy", "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "lynx_connector.lab.bench.accuracy", "--quick", "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=850, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())

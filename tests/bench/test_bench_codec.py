@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from lynx_connector.bench import codec as bench_codec
-from lynx_connector.bench import common
+from lynx_connector.lab.bench import codec as bench_codec
+from lynx_connector.lab.bench import common
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"codec", "bits_per_value", "vnmse_k", "vnmse_v", "encode_gbps", "decode_gbps"}
@@ -75,7 +75,7 @@ def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
     out = tmp_path / "codec.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "lynx_connector.bench.codec", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "lynx_connector.lab.bench.codec", "--quick", "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lynx_connector.bench import e2e, report
+from lynx_connector.lab.bench import e2e, report
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = e2e.ModelShape(layers=30, kv_heads=3, head_dim=64)
@@ -121,13 +121,13 @@ def test_targets_and_report_render(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
-    from lynx_connector.models import is_prepared
+    from lynx_connector.lab.models import is_prepared
 
     if not is_prepared():
         pytest.skip("the real model is not prepared")
     out = tmp_path / "e2e.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "lynx_connector.bench.e2e", "--quick", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "lynx_connector.lab.bench.e2e", "--quick", "--out", str(out),
                            "--log-dir", str(tmp_path / "logs")],
                           env=env, capture_output=True, text=True, timeout=850, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

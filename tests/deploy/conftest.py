@@ -12,7 +12,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _sweep_stale_namespaces() -> None:
-    from lynx_connector import netns
+    from lynx_connector.lab import netns
 
     if netns.available()[0]:
         netns.cleanup_stale()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from lynx_connector import netns
+from lynx_connector.lab import netns
 from lynx_connector.transport.config import TransportConfig
 
 from .sinkpeer import start_in_namespace

@@ -1,6 +1,6 @@
 """Peer processes for the namespace tests. `start_in_namespace(ns, env, role, cfg, compat)` spawns a process that
 first moves itself into network namespace `ns` (`netns.enter_process`: its own /sys, so UCX sees the veth),
-sets `env` (UCX_TLS, ...), then runs either the P side (`lynx_connector.transport.peer`'s command loop, a
+sets `env` (UCX_TLS, ...), then runs either the P side (`lynx_connector.lab.peer`'s command loop, a
 `TransferSource`) or the D side below (a `TransferSink` driven over a Pipe).
 
 Commands (tuples) -> replies ("ok", value) / ("error", message):
@@ -24,7 +24,7 @@ from lynx_connector.transport.config import TransportConfig
 
 
 def _main(conn: Connection, cfg: dict[str, Any], compat: dict[str, Any]) -> None:
-    from lynx_connector.transport.peer import crc
+    from lynx_connector.lab.peer import crc
     from lynx_connector.transport.sink import TransferSink
 
     sink = TransferSink(TransportConfig(**cfg), compat)
@@ -80,12 +80,12 @@ def _namespaced(ns: str, env: dict[str, str], role: str, conn: Connection, cfg: 
                 compat: dict[str, Any]) -> None:
     import os
 
-    from lynx_connector import netns
+    from lynx_connector.lab import netns
 
     netns.enter_process(ns)
     os.environ.update(env)
     if role == "source":
-        from lynx_connector.transport import peer
+        from lynx_connector.lab import peer
 
         peer._main(conn, cfg, compat)
     else:

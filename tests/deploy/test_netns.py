@@ -1,4 +1,4 @@
-"""lynx_connector.netns itself: namespaces and links appear and disappear (also after a failure half-way), tc
+"""lynx_connector.lab.netns itself: namespaces and links appear and disappear (also after a failure half-way), tc
 shaping and loss do what they say, `entered` returns the thread to its namespace, stale namespaces are swept.
 Plain sockets only (no NIXL): a few seconds."""
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from lynx_connector import netns
+from lynx_connector.lab import netns
 
 _ok, _why = netns.available()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(not _ok, reason=f"network namespaces: {_why}"),
@@ -142,7 +142,7 @@ def test_tbf_rate_and_random_loss_on_a_real_link() -> None:
 
 
 def test_cleanup_stale_removes_namespaces_of_dead_creators() -> None:
-    code = ("from lynx_connector import netns; t = netns.Topology(); print(t.add_namespace('z'))")
+    code = ("from lynx_connector.lab import netns; t = netns.Topology(); print(t.add_namespace('z'))")
     name = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           timeout=60).stdout.strip().splitlines()[-1]
     assert name in netns.list_namespaces()  # its creator exited without destroy()

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from lynx_connector import netns
+from lynx_connector.lab import netns
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.nixl_wrapper import nixl_available
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from lynx_connector import netns
-from lynx_connector.launch import Deployment, NetnsPlan, http_json, with_side_channel_host
+from lynx_connector.lab import netns
+from lynx_connector.lab.launch import Deployment, NetnsPlan, http_json, with_side_channel_host
 from lynx_connector.transport.nixl_wrapper import nixl_available
 
 _ok, _why = netns.available()
@@ -47,7 +47,7 @@ def test_netns_plan_addresses_and_side_channel() -> None:
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    from lynx_connector.models import is_prepared, model_dir
+    from lynx_connector.lab.models import is_prepared, model_dir
 
     if not is_prepared():
         pytest.skip("the real model is not prepared (scripts/setup_env.sh prepares it)")

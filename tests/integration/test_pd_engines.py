@@ -18,7 +18,7 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def model():
-    from lynx_connector.models import is_prepared, model_dir
+    from lynx_connector.lab.models import is_prepared, model_dir
 
     if not is_prepared():
         pytest.skip("the real model is not prepared (scripts/setup_env.sh prepares it)")
@@ -29,7 +29,7 @@ def model():
 def prompts(model):
     from transformers import AutoTokenizer
 
-    from lynx_connector.data import build_needle_prompt
+    from lynx_connector.lab.data import build_needle_prompt
 
     tok = AutoTokenizer.from_pretrained(model)
     return [build_needle_prompt(tok, n, depth=d, seed=s) for n, d, s in ((900, 0.3, 1), (1800, 0.6, 2))]
@@ -89,7 +89,7 @@ def test_bf16_passthrough_logprobs_equal_local_run_exactly(engines, prompts):
 
 
 def test_full_mode_answers_needles_like_the_local_run(engines, prompts, record_property):
-    from lynx_connector.data import needle_found
+    from lynx_connector.lab.data import needle_found
 
     p, d, local = engines
     ref = local.generate([pr.token_ids for pr in prompts], max_tokens=MAX_TOKENS)
@@ -118,7 +118,7 @@ def test_anchor_only_transfer_is_lossy_but_used(engines, prompts):
 
 
 def test_single_stream_baselines_round_trip(engines, prompts):
-    from lynx_connector.data import needle_found
+    from lynx_connector.lab.data import needle_found
 
     p, d, _ = engines
     for mode in ("int8", "fp8"):
@@ -140,7 +140,7 @@ def test_corrupted_residual_changes_the_output(model, engines, prompts):
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_vanished_prefill_ends_in_the_failure_policy(model, prompts, policy):
-    from lynx_connector.data import needle_found
+    from lynx_connector.lab.data import needle_found
 
     cfg = lynx_kv_config("full", timeout_s=5)
     p = EngineProcess(model, lynx_kv_config("full"), cpu="0")

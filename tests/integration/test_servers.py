@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
-    from lynx_connector.launch import Deployment
-    from lynx_connector.models import is_prepared, model_dir
+    from lynx_connector.lab.launch import Deployment
+    from lynx_connector.lab.models import is_prepared, model_dir
 
     if not is_prepared():
         pytest.skip("the real model is not prepared (scripts/setup_env.sh prepares it)")
@@ -31,8 +31,8 @@ def deployment(tmp_path_factory):
 def needle(deployment):
     from transformers import AutoTokenizer
 
-    from lynx_connector.data import build_needle_prompt
-    from lynx_connector.models import model_dir
+    from lynx_connector.lab.data import build_needle_prompt
+    from lynx_connector.lab.models import model_dir
 
     return build_needle_prompt(AutoTokenizer.from_pretrained(str(model_dir())), 1200, depth=0.5, seed=7)
 
@@ -45,7 +45,7 @@ def post(url, body, timeout=300):
 
 @pytest.mark.parametrize("mode", ["full", "int8"])
 def test_completion_through_the_proxy_finds_the_needle(deployment, needle, mode):
-    from lynx_connector.models import model_dir
+    from lynx_connector.lab.models import model_dir
 
     out = post(deployment.url + "/v1/completions", {
         "model": str(model_dir()), "prompt": needle.token_ids, "max_tokens": 12, "temperature": 0,
@@ -54,8 +54,8 @@ def test_completion_through_the_proxy_finds_the_needle(deployment, needle, mode)
 
 
 def test_streaming_chat_through_the_proxy(deployment):
-    from lynx_connector.client import stream_completion
-    from lynx_connector.models import model_dir
+    from lynx_connector.lab.client import stream_completion
+    from lynx_connector.lab.models import model_dir
 
     res = stream_completion(deployment.url, str(model_dir()), "The capital of France is", max_tokens=8)
     assert res.error is None and "Paris" in res.text
@@ -63,7 +63,7 @@ def test_streaming_chat_through_the_proxy(deployment):
 
 
 def test_metrics_are_exported(deployment, needle):
-    from lynx_connector.models import model_dir
+    from lynx_connector.lab.models import model_dir
 
     post(deployment.url + "/v1/completions", {"model": str(model_dir()), "prompt": needle.token_ids,
                                               "max_tokens": 2, "kv_transfer_params": {"lynx_mode": "full"}})
@@ -86,7 +86,7 @@ def test_metrics_are_exported(deployment, needle):
 def test_client_abort_while_kv_in_flight_releases_everything(deployment, needle):
     """The client goes away while D is still pulling (bf16 over a 0.5 Gbit/s link takes seconds): D cancels
     the pull and tells P, and the servers keep serving."""
-    from lynx_connector.models import model_dir
+    from lynx_connector.lab.models import model_dir
 
     model = str(model_dir())
     pre = post(deployment.prefill.url + "/v1/completions", {

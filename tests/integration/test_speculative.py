@@ -29,7 +29,7 @@ PROBES = "tests.integration.spec_probes"
 
 @pytest.fixture(scope="module")
 def model():
-    from lynx_connector.models import is_prepared, model_dir
+    from lynx_connector.lab.models import is_prepared, model_dir
 
     if not is_prepared():
         pytest.skip("the real model is not prepared (scripts/setup_env.sh prepares it)")
@@ -40,7 +40,7 @@ def model():
 def prompts(model):
     from transformers import AutoTokenizer
 
-    from lynx_connector.data import build_needle_prompt
+    from lynx_connector.lab.data import build_needle_prompt
 
     tok = AutoTokenizer.from_pretrained(model)
     specs = ((1000, 0.3, 1), (1500, 0.5, 2), (1900, 0.7, 3))
@@ -301,7 +301,7 @@ def gate_prompts(model, prompts):
     """The needle prompts and three summary prompts (free prose: where this model's margins get small)."""
     from transformers import AutoTokenizer
 
-    from lynx_connector.data import build_summary_prompt
+    from lynx_connector.lab.data import build_summary_prompt
 
     tok = AutoTokenizer.from_pretrained(model)
     return [pr.token_ids for pr in prompts] + [build_summary_prompt(tok, 1024, seed=s).token_ids for s in (1, 6, 21)]

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from lynx_connector.lab.peer import crc, start_source_process
 from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.events import TransferEvent
 from lynx_connector.transport.nixl_wrapper import nixl_available
-from lynx_connector.transport.peer import crc, start_source_process
 from lynx_connector.transport.sink import TransferSink
 
 pytestmark = [

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from lynx_connector.bench import common
+from lynx_connector.lab.bench import common
 from lynx_connector.logger import init_logger
 from lynx_connector.transport.config import TransportConfig
 
@@ -258,7 +258,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark, print the table, write ``--out``; return the result dict."""
-    from lynx_connector.transport.peer import start_source_process
+    from lynx_connector.lab.peer import start_source_process
 
     t_start = time.perf_counter()
     layers, heads, dim = MODELS[args.model]
@@ -314,7 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lynx_connector.bench.transfer")
+    parser = argparse.ArgumentParser(prog="python -m lynx_connector.lab.bench.transfer")
     sub = parser.add_subparsers(dest="bench", required=True)
     add_parser(sub)
     run(parser.parse_args(["transfer", *(argv if argv is not None else sys.argv[1:])]))

@@ -1,8 +1,8 @@
 """Generated parts of docs/OPERATIONS.md: the configuration-keys table (from `LynxConfig`'s fields, types, defaults
 and their `#:` comments in lynx_connector/config.py) and the data-flow picture (matplotlib PNG).
 
-    python -m tests.deploy.docgen            # rewrite the table in docs/OPERATIONS.md and the PNG
-    python -m tests.deploy.docgen --check    # exit 1 when the table is stale (what the test does)
+    python -m lynx_connector.lab.docgen            # rewrite the table in docs/OPERATIONS.md and the PNG
+    python -m lynx_connector.lab.docgen --check    # exit 1 when the table is stale (what the test does)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "OPERATIONS.md"
 FIGURE = ROOT / "docs" / "OPERATIONS-dataflow.png"
 CONFIG_PY = ROOT / "lynx_connector" / "config.py"
-BEGIN, END = "<!-- config-table:begin (generated: python -m tests.deploy.docgen) -->", "<!-- config-table:end -->"
+BEGIN, END = "<!-- config-table:begin (generated: python -m lynx_connector.lab.docgen) -->", "<!-- config-table:end -->"
 
 
 def field_comments() -> dict[str, str]:
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.check:
         ok = current_table(DOC.read_text()) == config_table()
-        sys.stderr.write("" if ok else "docs/OPERATIONS.md config table is stale: python -m tests.deploy.docgen\n")
+        sys.stderr.write("" if ok else "docs/OPERATIONS.md config table is stale: python -m lynx_connector.lab.docgen\n")
         return 0 if ok else 1
     write_table()
     draw_figure()

@@ -2,7 +2,7 @@
 
 Everything here reads only the JSON, so results can be re-rendered anywhere::
 
-    python -m lynx_connector.bench.report benchmarks/results/e2e.json benchmarks/results/accuracy.json
+    python -m lynx_connector.lab.bench.report benchmarks/results/e2e.json benchmarks/results/accuracy.json
 
 writes ``<name>.md`` and ``<name>_*.png`` beside each JSON (matplotlib, Agg backend).
 """
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lynx_connector.bench.common import format_table
+from lynx_connector.lab.bench.common import format_table
 from lynx_connector.logger import init_logger
 
 logger = init_logger(__name__)
@@ -304,7 +304,7 @@ def update_readme(readme: str | Path, json_paths: list[str | Path]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lynx_connector.bench.report", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m lynx_connector.lab.bench.report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", nargs="+", help="result JSON files of lynx bench e2e / accuracy")
     p.add_argument("--readme", default=None, help="also put the tables and plots into this README's results "

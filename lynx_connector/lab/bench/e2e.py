@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lynx_connector.bench import common
+from lynx_connector.lab.bench import common
 from lynx_connector.logger import init_logger
 
 logger = init_logger(__name__)
@@ -186,8 +186,8 @@ REQUEST_TIMEOUT_S = 300.0  # a silent server fails the request instead of hangin
 
 
 def _one_request(url: str, model: str, prompt: Any, mode: str, max_tokens: int) -> dict[str, Any]:
-    from lynx_connector.client import stream_completion
-    from lynx_connector.data import needle_found
+    from lynx_connector.lab.client import stream_completion
+    from lynx_connector.lab.data import needle_found
 
     res = stream_completion(url, model, prompt.token_ids, max_tokens=max_tokens, timeout=REQUEST_TIMEOUT_S,
                             kv_transfer_params={"lynx_mode": mode}, extra={"ignore_eos": True})
@@ -201,7 +201,7 @@ def _one_request(url: str, model: str, prompt: Any, mode: str, max_tokens: int) 
 
 def measure_prefill(p_url: str, model: str, token_ids: list[int], repeats: int = 3) -> float:
     """Median time of a 1-token completion sent to P alone (prefill + one sampling step + HTTP)."""
-    from lynx_connector.client import stream_completion
+    from lynx_connector.lab.client import stream_completion
 
     times = []
     for _ in range(repeats):
@@ -400,7 +400,7 @@ def speculative_serve_args() -> tuple[list[str], str]:
 
 def start_deployment(model: str, log_dir: Path, gbps: float | None, spec_args: list[str], plan: Plan) -> Any:
     """P + D + proxy (D with ``spec_args``); when D cannot start with them, once more without (noted)."""
-    from lynx_connector.launch import Deployment
+    from lynx_connector.lab.launch import Deployment
 
     dep = Deployment(model, log_dir / "rate0", kv_transfer_config=kv_config(gbps, plan.spec_min_margin), max_model_len=plan.max_model_len,
                      extra_serve_args=list(plan.serve_args))
@@ -439,7 +439,7 @@ def pin(dep: Any, plan: Plan) -> None:
 def restart_decode(dep: Any, model: str, gbps: float | None, spec_args: list[str], log_path: Path, plan: Plan,
                    timeout: float = 600.0) -> None:
     """Stop D and start it again on the same port with a new link rate (P and the proxy keep running)."""
-    from lynx_connector.launch import serve_argv
+    from lynx_connector.lab.launch import serve_argv
 
     d = dep.decode
     d.stop()
@@ -461,7 +461,7 @@ TASKS = ("summary", "needle")
 
 
 def build_prompts(tok: Any, lengths: list[int], count: int, task: str = "summary") -> dict[int, list[Any]]:
-    from lynx_connector.data import build_needle_prompt, build_summary_prompt
+    from lynx_connector.lab.data import build_needle_prompt, build_summary_prompt
 
     if task == "summary":  # a different essay per prompt
         return {n: [build_summary_prompt(tok, n, seed=7 * i + n // 1024) for i in range(count)] for n in lengths}
@@ -490,7 +490,7 @@ def choose_rates(prefill_s: float, ref_tokens: int, shape: ModelShape, ratios: l
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from lynx_connector.models import prepare
+    from lynx_connector.lab.models import prepare
 
     t_start = time.perf_counter()
     env = common.environment_info()  # at the start: the code (git revision) and versions that ran
@@ -630,7 +630,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["checks"] = evaluate_targets(rows, ratios)
     result["wall_s"] = time.perf_counter() - t_start
     common.record_environment(result, env)
-    from lynx_connector.bench import report
+    from lynx_connector.lab.bench import report
 
     sys.stdout.write("\n" + report.e2e_markdown(result))
     if args.out:
@@ -747,7 +747,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lynx_connector.bench.e2e")
+    parser = argparse.ArgumentParser(prog="python -m lynx_connector.lab.bench.e2e")
     sub = parser.add_subparsers(dest="bench", required=True)
     add_parser(sub)
     run(parser.parse_args(["e2e", *(argv if argv is not None else sys.argv[1:])]))

@@ -31,8 +31,8 @@ import time
 import traceback
 from typing import Any
 
-from lynx_connector.bench import common
-from lynx_connector.bench.report import wilson
+from lynx_connector.lab.bench import common
+from lynx_connector.lab.bench.report import wilson
 from lynx_connector.logger import init_logger
 
 logger = init_logger(__name__)
@@ -198,7 +198,7 @@ def bits_per_value(mode: str, num_tokens: int = 1024, heads: int = 3, head_dim: 
 
 def run_mode(p: Engine, d: Engine, mode: str, needles: list[Any], windows: list[tuple[list[int], list[int]]],
              gen_tokens: int) -> dict[str, Any]:
-    from lynx_connector.data import needle_found
+    from lynx_connector.lab.data import needle_found
 
     t0 = time.perf_counter()
     contexts = [c for c, _ in windows]
@@ -277,8 +277,8 @@ def summarize(mode: str, raw: dict[str, Any], ref: dict[str, Any] | None) -> dic
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from lynx_connector.data import build_needle_prompt, perplexity_windows
-    from lynx_connector.models import prepare
+    from lynx_connector.lab.data import build_needle_prompt, perplexity_windows
+    from lynx_connector.lab.models import prepare
 
     t_start = time.perf_counter()
     env = common.environment_info()  # at the start: the code (git revision) and versions that ran
@@ -361,7 +361,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     result["wall_s"] = time.perf_counter() - t_start
     common.record_environment(result, env)
-    from lynx_connector.bench import report
+    from lynx_connector.lab.bench import report
 
     sys.stdout.write("\n" + report.accuracy_markdown(result))
     if args.out:
@@ -392,7 +392,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lynx_connector.bench.accuracy")
+    parser = argparse.ArgumentParser(prog="python -m lynx_connector.lab.bench.accuracy")
     sub = parser.add_subparsers(dest="bench", required=True)
     add_parser(sub)
     run(parser.parse_args(["accuracy", *(argv if argv is not None else sys.argv[1:])]))

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lynx_connector.bench import common
+from lynx_connector.lab.bench import common
 from lynx_connector.logger import init_logger
 
 logger = init_logger(__name__)
@@ -62,7 +62,7 @@ def capture_kv(n_tokens: int) -> CapturedKV:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lynx_connector import data, models
+    from lynx_connector.lab import data, models
 
     path = models.prepare()
     t0 = time.perf_counter()
@@ -487,7 +487,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lynx_connector.bench.codec")
+    parser = argparse.ArgumentParser(prog="python -m lynx_connector.lab.bench.codec")
     sub = parser.add_subparsers(dest="bench", required=True)
     add_parser(sub)
     args = parser.parse_args(["codec", *(argv if argv is not None else sys.argv[1:])])

@@ -11,7 +11,7 @@ GGUF weights, whose values need more than bf16's 8 significant bits. Measured: s
 79% of the 134.5M values (per-tensor relative L2 error up to 1.4e-3), float16 changes 42%; fp32 keeps the
 checkpoint bit-identical to the GGUF dequantization.
 
-CLI (the set-up script calls exactly this): ``python -m lynx_connector.models prepare [--force]``. When the model
+CLI (the set-up script calls exactly this): ``python -m lynx_connector.lab.models prepare [--force]``. When the model
 is already prepared it imports neither torch nor transformers and returns in well under a second.
 """
 
@@ -197,7 +197,7 @@ def _dir_size_mb(path: Path) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lynx_connector.models", description=__doc__.split("\n")[0]
+        prog="python -m lynx_connector.lab.models", description=__doc__.split("\n")[0]
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_prep = sub.add_parser("prepare", help="convert the model into the cache once (no-op when done)")

@@ -6,13 +6,13 @@ context manager, registers an atexit hook and turns SIGTERM into a normal exit, 
 also on Ctrl-C or failure.
 
 ``Deployment(..., netns=True)`` (root, iproute2) runs P, D and the proxy as separate "hosts": each in its own
-network namespace (``lynx_connector.netns``), joined by veth links proxy-P, proxy-D and P-D. KV goes over the
+network namespace (``lynx_connector.lab.netns``), joined by veth links proxy-P, proxy-D and P-D. KV goes over the
 P-D link with UCX forced onto TCP (``UCX_TLS=tcp``, ``UCX_NET_DEVICES`` = that veth) and P's side channel bound
 to (and advertised as) its P-D address; ``link_mbit`` shapes that link with tc tbf. The proxy is reachable
 only from inside its namespace: make requests within ``with dep.client():`` (the calling thread enters it).
 The namespaces are deleted by ``stop()``.
 
-    python -m lynx_connector.launch MODEL [--netns] [--link-mbit 1000] [--kv-transfer-config lynx:speculative]
+    python -m lynx_connector.lab.launch MODEL [--netns] [--link-mbit 1000] [--kv-transfer-config lynx:speculative]
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class Server:
         """Context in which this server's URL is reachable from the calling thread."""
         if self.netns is None:
             return contextlib.nullcontext()
-        from lynx_connector import netns
+        from lynx_connector.lab import netns
 
         return netns.entered(self.netns)
 
@@ -174,7 +174,7 @@ class NetnsPlan:
 
     @staticmethod
     def addr(role: str, peer: str) -> str:
-        from lynx_connector.netns import Topology
+        from lynx_connector.lab.netns import Topology
 
         for k, (a, b) in enumerate(NetnsPlan.links(), start=1):
             if (a, b) == (role, peer):
@@ -189,7 +189,7 @@ class NetnsPlan:
 
     def build(self) -> Any:
         """Create the namespaces and links; returns (topology, {role: namespace})."""
-        from lynx_connector import netns
+        from lynx_connector.lab import netns
 
         topo = netns.Topology()
         try:
@@ -335,7 +335,7 @@ def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Start a deployment and keep it up until Ctrl-C / SIGTERM (then tear everything down)."""
-    ap = argparse.ArgumentParser(prog="python -m lynx_connector.launch", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lynx_connector.lab.launch", description=__doc__.split("\n")[0])
     ap.add_argument("model")
     ap.add_argument("--log-dir", default="lynx-logs")
     ap.add_argument("--kv-transfer-config", default="lynx")

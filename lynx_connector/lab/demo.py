@@ -55,10 +55,10 @@ def _write(line: str = "") -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from lynx_connector.client import stream_completion
-    from lynx_connector.data import build_needle_prompt, needle_found
-    from lynx_connector.launch import Deployment
-    from lynx_connector.models import prepare
+    from lynx_connector.lab.client import stream_completion
+    from lynx_connector.lab.data import build_needle_prompt, needle_found
+    from lynx_connector.lab.launch import Deployment
+    from lynx_connector.lab.models import prepare
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
@@ -142,7 +142,7 @@ def _summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | argparse.Namespace | None = None) -> int:
-    """Entry point for ``lynx demo`` (which passes parsed arguments) and ``python -m lynx_connector.demo``."""
+    """Entry point for ``lynx demo`` (which passes parsed arguments) and ``python -m lynx_connector.lab.demo``."""
     if isinstance(argv, argparse.Namespace):
         args = argv
     else:

@@ -29,7 +29,7 @@ _VERSION_DISTS: dict[str, tuple[str, ...]] = {
     "numpy": ("numpy",),
 }
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def package_versions() -> dict[str, str | None]:
