@@ -31,7 +31,7 @@ PIP=("$VPY" -m pip install --quiet --disable-pip-version-check --no-warn-script-
 
 if nvidia-smi >/dev/null 2>&1 && [ "${LYNX_FORCE_CPU:-0}" != "1" ]; then EXTRA="gpu"; else EXTRA="cpu"; fi
 STAMP="$VENV/.lynx-stamp"
-WANT="$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)-$EXTRA"
+WANT="$(cat pyproject.toml setup.py scripts/setup_env.sh | sha256sum | cut -d' ' -f1)-$EXTRA"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
   INSTALL_LOG="$VENV/install.log"
   log "installing lynx-connector[$EXTRA,dev] (first run: a few minutes; log in $INSTALL_LOG)"
