@@ -1,5 +1,15 @@
-"""Lynx codec kernels, shipped as ``lynx_connector.kernels``.
+"""Lynx codec kernels. This top-level ``kernels/`` directory is shipped as ``lynx_connector.kernels`` (setup.py
+maps it; there is no top-level ``kernels`` module): import it as ``lynx_connector.kernels.<module>``.
 
-Every Triton kernel (``lynx_triton``) has a torch twin (``*_ref``) that is both the CPU implementation and
-the test oracle. This package imports without Triton: only ``lynx_triton`` needs it, and it is imported lazily.
+* ``groupquant_ref``, ``pack``, ``fp16_meta``: the torch twins: the portable implementation of the group
+  quantizer (and its 4-bit packing and directed fp16 rounding) and the oracle every other kernel is tested
+  against, bit-exact (tests/kernels).
+* ``groupquant_numba``, ``groupquant_numba_f32``: the CPU fast path (numba; generic and fp32-cache kernels),
+  reading and writing vLLM's paged cache directly; driven by ``lynx_connector.codec.numba_path``.
+* ``lynx_triton``: the GPU path (Triton; also runs in the CPU interpreter), driven by
+  ``lynx_connector.codec.triton_path``.
+* ``errors``: the errors the kernels raise on non-finite or out-of-range KV.
+
+This package imports without numba or Triton: ``codec`` imports the numba and Triton modules lazily, only
+where they can run.
 """

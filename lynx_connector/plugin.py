@@ -4,7 +4,7 @@ vLLM calls :func:`register` in every process it starts (API server, engine core,
 from ``AsyncEngineArgs.add_cli_args`` right before ``EngineArgs.add_cli_args`` builds the CLI parser
 (vllm/engine/arg_utils.py in 0.32). It must therefore be idempotent and must never raise.
 
-It does two things:
+It does three things:
 
 1. registers ``LynxConnector`` with ``KVConnectorFactory`` (lazy: the connector module is imported only
    when a connector is created), so ``{"kv_connector": "LynxConnector"}`` works without
