@@ -211,36 +211,55 @@ class Deployment:
 
     def __init__(self, model: str, log_dir: Path, *, kv_transfer_config: str = "lynx",
                  max_model_len: int = 4096, startup_timeout: float = 420.0, extra_serve_args: list[str] | None = None,
-                 netns: bool = False, link_mbit: float | None = None):
+                 netns: bool = False, link_mbit: float | None = None, decode_serve_args: list[str] | None = None,
+                 prefill_env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None):
+        """``extra_serve_args`` go to P and D, ``decode_serve_args`` to D only (after them); ``prefill_env`` and
+        ``decode_env`` override the servers' environment (e.g. ``VLLM_CPU_OMP_THREADS_BIND``)."""
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.startup_timeout = startup_timeout
         self.topology: Any = None
         self._old_sigterm: Any = None
+        self._model, self._max_model_len = model, max_model_len
+        self._extra = {"prefill": list(extra_serve_args or []),
+                       "decode": list(extra_serve_args or []) + list(decode_serve_args or [])}
+        #: seconds the last ``start()`` took until every server was healthy (None before)
+        self.startup_s: float | None = None
         self._plan = NetnsPlan(link_mbit=link_mbit) if netns else None
         if link_mbit is not None and not netns:
             raise ValueError("link_mbit shapes the P-D veth: it needs netns=True (else use link_gbps pacing)")
         if self._plan is not None:
-            self._init_netns(model, kv_transfer_config, max_model_len, extra_serve_args)
-            return
+            self._init_netns(kv_transfer_config)
+        else:
+            self._init_local(kv_transfer_config)
+        self.prefill.env.update(prefill_env or {})
+        self.decode.env.update(decode_env or {})
+
+    def _init_local(self, kv_cfg: str) -> None:
         p_port, d_port, x_port = free_port(), free_port(), free_port()
         env = dict(SERVER_ENV)
-        p_env, d_env = dict(env), dict(env)
-        p_env.update(cpu_binding("prefill"))
-        d_env.update(cpu_binding("decode"))
-        self.prefill = Server("prefill", serve_argv(model, p_port, kv_transfer_config, max_model_len=max_model_len,
-                                                    extra=extra_serve_args),
-                              p_port, self.log_dir / "prefill.log", env=p_env)
-        self.decode = Server("decode", serve_argv(model, d_port, kv_transfer_config, max_model_len=max_model_len,
-                                                  extra=extra_serve_args),
-                             d_port, self.log_dir / "decode.log", env=d_env)
+        self.prefill = Server("prefill", self._serve_argv("prefill", p_port, kv_cfg), p_port,
+                              self.log_dir / "prefill.log", env={**env, **cpu_binding("prefill")})
+        self.decode = Server("decode", self._serve_argv("decode", d_port, kv_cfg), d_port,
+                             self.log_dir / "decode.log", env={**env, **cpu_binding("decode")})
         self.proxy = Server("proxy", [sys.executable, "-m", "lynx_connector.cli", "proxy", "--host", "127.0.0.1",
                                       "--port", str(x_port), "--prefill", self.prefill.url,
                                       "--decode", self.decode.url],
                             x_port, self.log_dir / "proxy.log", env=dict(env))
         self.servers = [self.prefill, self.decode, self.proxy]
 
-    def _init_netns(self, model: str, kv_cfg: str, max_model_len: int, extra: list[str] | None) -> None:
+    def _serve_argv(self, name: str, port: int, kv_cfg: str) -> list[str]:
+        """``lynx serve`` argv of P or D: local, or in netns mode bound to its proxy-side address with the side
+        channel on its P-D address."""
+        if self._plan is None:
+            return serve_argv(self._model, port, kv_cfg, max_model_len=self._max_model_len, extra=self._extra[name])
+        role = name[0]
+        kv_addr = self._plan.addr(role, "d" if role == "p" else "p")
+        return serve_argv(self._model, port, with_side_channel_host(kv_cfg, kv_addr),
+                          max_model_len=self._max_model_len, extra=self._extra[name],
+                          host=self._plan.addr(role, "x"))
+
+    def _init_netns(self, kv_cfg: str) -> None:
         plan = self._plan
         assert plan is not None
         servers = {}
@@ -250,9 +269,8 @@ class Deployment:
             host, port = plan.addr(role, peer), NETNS_PORTS[name]
             env = {**SERVER_ENV, **cpu_binding(name), "UCX_TLS": "tcp", "UCX_NET_DEVICES": plan.dev(role, kv_peer),
                    "VLLM_HOST_IP": kv_addr}
-            argv = serve_argv(model, port, with_side_channel_host(kv_cfg, kv_addr), max_model_len=max_model_len,
-                              extra=extra, host=host)
-            servers[name] = Server(name, argv, port, self.log_dir / f"{name}.log", env=env, host=host)
+            servers[name] = Server(name, self._serve_argv(name, port, kv_cfg), port, self.log_dir / f"{name}.log",
+                                   env=env, host=host)
         self.prefill, self.decode = servers["prefill"], servers["decode"]
         x_host, x_port = plan.addr("x", "p"), NETNS_PORTS["proxy"]
         self.proxy = Server("proxy", [sys.executable, "-m", "lynx_connector.cli", "proxy", "--host", "0.0.0.0",
@@ -260,6 +278,18 @@ class Deployment:
                                       "--decode", self.decode.url],
                             x_port, self.log_dir / "proxy.log", env=dict(SERVER_ENV), host=x_host)
         self.servers = [self.prefill, self.decode, self.proxy]
+
+    def restart_decode(self, kv_transfer_config: str, log_path: Path | None = None,
+                       timeout: float | None = None) -> None:
+        """Stop D and start it again on the same port (same arguments, a new KVTransferConfig, e.g. another
+        link rate), logging to ``log_path``; P and the proxy keep running."""
+        d = self.decode
+        d.stop()
+        d.argv = self._serve_argv("decode", d.port, kv_transfer_config)
+        if log_path is not None:
+            d.log_path = Path(log_path)
+        d.start()
+        self._wait_healthy([d], self.startup_timeout if timeout is None else timeout)
 
     @property
     def url(self) -> str:
@@ -296,10 +326,15 @@ class Deployment:
                 server.netns = names[role]
             logger.info("namespaces: prefill %s, decode %s, proxy %s (P-D link %s <-> %s)", names["p"],
                         names["d"], names["x"], self._plan.addr("p", "d"), self._plan.addr("d", "p"))
+        t0 = time.monotonic()
         for s in self.servers:
             s.start()
-        deadline = time.monotonic() + self.startup_timeout
-        pending = list(self.servers)
+        self._wait_healthy(self.servers, self.startup_timeout)
+        self.startup_s = time.monotonic() - t0
+
+    def _wait_healthy(self, servers: list[Server], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(servers)
         while pending:
             for s in list(pending):
                 if s.proc is not None and s.proc.poll() is not None:
@@ -310,7 +345,7 @@ class Deployment:
                     pending.remove(s)
             if time.monotonic() > deadline:
                 names = ", ".join(s.name for s in pending)
-                raise TimeoutError(f"{names} not healthy after {self.startup_timeout:.0f} s; logs in {self.log_dir}")
+                raise TimeoutError(f"{names} not healthy after {timeout:.0f} s; logs in {self.log_dir}")
             time.sleep(1.0)
 
     def stop(self) -> None:

@@ -1,0 +1,231 @@
+"""Measuring through a running deployment: D's Prometheus counters, one streamed request, P's prefill time,
+every (concurrency, mode) cell of one link rate, the row that summarizes a cell, output equality against the
+full mode, and whether D really speculates."""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from lynx_connector.lab.bench.e2e.plan import ModelShape, Plan, cell_ideals, quantile, wire_bytes
+from lynx_connector.logger import init_logger
+
+logger = init_logger(__name__)
+
+# ---- D's Prometheus counters --------------------------------------------------------------------------------
+_COUNTERS = {
+    "anchor_bytes": ("vllm:lynx_transfer_bytes_total", 'stream="anchor"'),
+    "residual_bytes": ("vllm:lynx_transfer_bytes_total", 'stream="residual"'),
+    "lynx_drafted": ("vllm:lynx_speculative_tokens_total", 'outcome="drafted"'),
+    "lynx_accepted": ("vllm:lynx_speculative_tokens_total", 'outcome="accepted"'),
+    "lynx_early": ("vllm:lynx_speculative_tokens_total", 'outcome="released_on_anchor"'),
+    "lynx_stop_low_margin": ("vllm:lynx_speculation_stops_total", 'reason="low_margin"'),
+    "lynx_stop_mismatch": ("vllm:lynx_speculation_stops_total", 'reason="first_token_mismatch"'),
+    "vllm_drafted": ("vllm:spec_decode_num_draft_tokens_total", ""),
+    "vllm_accepted": ("vllm:spec_decode_num_accepted_tokens_total", ""),
+}
+
+
+def scrape_counters(base_url: str) -> dict[str, float]:
+    """The counters above from a server's /metrics (missing ones are 0)."""
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode("utf-8", "replace")
+    except OSError as exc:
+        logger.warning("cannot read %s/metrics: %s", base_url, exc)
+        return {}
+    out = dict.fromkeys(_COUNTERS, 0.0)
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        for key, (name, label) in _COUNTERS.items():
+            if line.startswith(name) and (not label or label in line):
+                try:
+                    out[key] += float(line.rsplit(" ", 1)[1])
+                except ValueError:
+                    pass
+    return out
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _COUNTERS}
+
+
+# ---- running requests ----------------------------------------------------------------------------------------
+def write(line: str = "") -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def fmt(x: float | None, nd: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{nd}f}"
+
+
+REQUEST_TIMEOUT_S = 300.0  # a silent server fails the request instead of hanging the benchmark
+
+
+def one_request(url: str, model: str, prompt: Any, mode: str, max_tokens: int) -> dict[str, Any]:
+    from lynx_connector.lab.client import stream_completion
+    from lynx_connector.lab.data import needle_found
+
+    res = stream_completion(url, model, prompt.token_ids, max_tokens=max_tokens, timeout=REQUEST_TIMEOUT_S,
+                            kv_transfer_params={"lynx_mode": mode}, extra={"ignore_eos": True})
+    return {"mode": mode, "prompt_tokens": len(prompt.token_ids), "seed": prompt.seed, "depth": prompt.depth,
+            "ttft_s": res.ttft, "tt32_s": res.time_to_token(32), "tt64_s": res.time_to_token(64),
+            "tokens": len(res.token_times), "total_s": res.total_s, "error": res.error,
+            "needle_found": (None if prompt.answer is None
+                             else res.error is None and needle_found(prompt.answer, res.text)),
+            "text_sha1": hashlib.sha1(res.text.encode()).hexdigest()[:12]}
+
+
+def measure_prefill(p_url: str, model: str, token_ids: list[int], repeats: int = 3) -> float:
+    """Median time of a 1-token completion sent to P alone (prefill + one sampling step + HTTP)."""
+    from lynx_connector.lab.client import stream_completion
+
+    times = []
+    for _ in range(repeats):
+        res = stream_completion(p_url, model, token_ids, max_tokens=1)
+        if res.error is None and res.ttft is not None:
+            times.append(res.ttft)
+    if not times:
+        raise RuntimeError(f"prefill measurement failed on {p_url}")
+    return statistics.median(times)
+
+
+def measure_prefills(dep: Any, model: str, label: str, prompts: dict[int, list[Any]]) -> dict[int, float]:
+    """P's prefill time of the first prompt of every length (printed)."""
+    prefill = {n: measure_prefill(dep.prefill.url, model, prompts[n][0].token_ids) for n in sorted(prompts)}
+    write(f"  {label}: measured prefill " + ", ".join(f"{n} tok {s:.2f} s" for n, s in prefill.items()))
+    return prefill
+
+
+class Progress:
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        el = time.perf_counter() - self.t0
+        eta = el / self.done * (self.total - self.done)
+        write(f"[{self.done}/{self.total} {el:5.0f}s eta {eta:4.0f}s] {what}")
+
+
+def run_rate(dep: Any, model: str, label: str, link_gbps: float | None, plan: Plan, prompts: dict[int, list[Any]],
+             shape: ModelShape, spec_available: bool, progress: Progress,
+             concurrency: list[int] | None = None) -> tuple[list[dict], list[dict], dict]:
+    """Every (concurrency, mode) cell on one deployment. Returns (rows, requests, prefill times)."""
+    if progress.done == 0:  # the ETA counts request time, not server start-up
+        progress.t0 = time.perf_counter()
+    prefill = measure_prefills(dep, model, label, prompts)
+    rows: list[dict] = []
+    requests: list[dict] = []
+    for conc in concurrency or plan.concurrency:
+        for mode in plan.modes:
+            if mode == "speculative" and not spec_available:
+                continue
+            lengths = plan.lengths if conc == 1 else [plan.conc_length]
+            for n in lengths:
+                before = scrape_counters(dep.decode.url)
+                got: list[dict] = []
+                if conc == 1:
+                    for pr in prompts[n][: plan.repeats]:
+                        got.append(one_request(dep.url, model, pr, mode, plan.max_tokens))
+                else:
+                    batch = prompts[n][:conc]
+                    with ThreadPoolExecutor(max_workers=conc) as pool:
+                        got = list(pool.map(lambda pr, m=mode: one_request(dep.url, model, pr, m,
+                                                                             plan.max_tokens), batch))
+                delta = counter_delta(before, scrape_counters(dep.decode.url))
+                for r in got:
+                    r.update(link_gbps=link_gbps, concurrency=conc, rate_label=label, nominal_tokens=n)
+                requests.extend(got)
+                row = summarize_cell(got, mode, n, conc, link_gbps, label, prefill[n], shape, delta, plan.cache_dtype)
+                rows.append(row)
+                progress.step(f"{label} conc {conc} {mode:<11} {n:>5} tok: TTFT {fmt(row['ttft_s_median'])} s, "
+                              f"TT64T {fmt(row['tt64_s_median'])} s, ideal {fmt(row['ideal_ttft_s'])} s"
+                              + (f", {row['errors']} errors" if row["errors"] else ""))
+    return rows, requests, prefill
+
+
+def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbps: float | None, label: str,
+                   prefill_s: float, shape: ModelShape, delta: dict[str, float],
+                   cache_dtype: str = "float32") -> dict[str, Any]:
+    ok = [r for r in got if r["error"] is None]
+    first, total = zip(*(wire_bytes(mode, r["prompt_tokens"], shape, cache_dtype) for r in got), strict=True)
+    ideals = cell_ideals(prefill_s, list(first), link_gbps, conc)
+    row: dict[str, Any] = {"mode": mode, "rate_label": label, "link_gbps": link_gbps, "concurrency": conc,
+                           "prompt_tokens": round(statistics.mean(r["prompt_tokens"] for r in got)),
+                           "nominal_tokens": nominal, "n": len(got), "errors": len(got) - len(ok),
+                           "prefill_s": prefill_s}
+    for key in ("ttft_s", "tt32_s", "tt64_s"):
+        vals = [r[key] for r in ok if r[key] is not None]
+        row[f"{key}_median"] = quantile(vals, 0.5)
+        row[f"{key}_p90"] = quantile(vals, 0.9)
+    row["wire_bytes"] = round(statistics.mean(total))
+    measured = delta.get("anchor_bytes", 0.0) + delta.get("residual_bytes", 0.0)
+    row["wire_bytes_measured"] = round(measured / len(got)) if measured else None
+    row["bits_per_value"] = 8 * row["wire_bytes"] / (2 * shape.layers * shape.kv_heads * shape.head_dim
+                                                       * row["prompt_tokens"])
+    row["ideal_ttft_s"] = quantile(ideals, 0.5)
+    row["ttft_vs_ideal"] = (row["ttft_s_median"] / row["ideal_ttft_s"]
+                            if row["ttft_s_median"] and row["ideal_ttft_s"] else None)
+    drafted = delta.get("lynx_drafted") or delta.get("vllm_drafted") or 0.0
+    accepted = delta.get("lynx_accepted") if delta.get("lynx_drafted") else delta.get("vllm_accepted", 0.0)
+    row["speculated"] = int(drafted) if mode == "speculative" else None
+    row["accepted"] = int(accepted or 0) if mode == "speculative" else None
+    row["acceptance"] = (accepted / drafted) if mode == "speculative" and drafted else None
+    row["first_token_on_anchor"] = int(delta.get("lynx_early", 0)) if mode == "speculative" else None
+    row["stopped_low_margin"] = int(delta.get("lynx_stop_low_margin", 0)) if mode == "speculative" else None
+    row["first_token_mismatch"] = int(delta.get("lynx_stop_mismatch", 0)) if mode == "speculative" else None
+    found = [r["needle_found"] for r in got if r.get("needle_found") is not None]
+    row["needle_accuracy"] = sum(found) / len(found) if found else None
+    return row
+
+
+def mark_output_equality(requests: list[dict]) -> None:
+    """``output_equal_full`` on each request: its text equals the full mode's for the same prompt and cell."""
+    full = {(r["rate_label"], r["concurrency"], r["seed"], r["prompt_tokens"]): r["text_sha1"]
+            for r in requests if r["mode"] == "full" and r["error"] is None}
+    for r in requests:
+        ref = full.get((r["rate_label"], r["concurrency"], r["seed"], r["prompt_tokens"]))
+        r["output_equal_full"] = None if ref is None or r["error"] else r["text_sha1"] == ref
+
+
+def equality_by_row(rows: list[dict], requests: list[dict]) -> None:
+    for row in rows:
+        eq = [r["output_equal_full"] for r in requests
+              if r["rate_label"] == row["rate_label"] and r["concurrency"] == row["concurrency"]
+              and r["mode"] == row["mode"] and r["nominal_tokens"] == row["nominal_tokens"]
+              and r["output_equal_full"] is not None]
+        row["output_equal_full"] = (sum(eq) / len(eq)) if eq else None
+
+
+# ---- speculative availability ---------------------------------------------------------------------------------
+def detect_speculative(dep: Any, model: str, prompt: Any, log_path: Path) -> tuple[bool, str]:
+    """Is D configured to hold and verify anchor-phase tokens? The mode alone proves nothing: without the Lynx
+    scheduler a speculative request silently decodes on the anchor. Evidence: D's counters of speculated tokens
+    move during a speculative request, or D's log names the Lynx speculative scheduler."""
+    import importlib.util
+
+    if importlib.util.find_spec("lynx_connector.speculative") is None:
+        return False, "lynx_connector.speculative is not part of this checkout"
+    before = scrape_counters(dep.decode.url)
+    res = one_request(dep.url, model, prompt, "speculative", 16)
+    delta = counter_delta(before, scrape_counters(dep.decode.url))
+    if res["error"]:
+        return False, f"a speculative request failed: {res['error'][:200]}"
+    if delta.get("lynx_drafted", 0) > 0 or delta.get("vllm_drafted", 0) > 0:
+        return True, "D counted speculated tokens"
+    try:
+        log = log_path.read_text(errors="replace")
+    except OSError:
+        log = ""
+    if "lynx_connector.speculative" in log:
+        return True, "D runs the Lynx speculative scheduler (from its log)"
+    return False, "D is not configured for speculative decoding (no speculated tokens, no Lynx scheduler in its log)"

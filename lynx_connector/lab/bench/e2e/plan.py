@@ -1,0 +1,146 @@
+"""What ``lynx bench e2e`` runs and the arithmetic it judges by: modes and default sizes, the model's KV shape,
+the bytes each mode puts on the wire, the ideal TTFT of a request or a batch, the link rates that make a regime,
+D's KVTransferConfig and the prompts. No process, no HTTP: everything here is pure and tested on numbers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MODES = ("bf16", "fp8", "int8", "int4", "anchor", "full", "speculative")
+TWO_STREAM = ("anchor", "full", "speculative")
+DEFAULT_RATIOS = (0.5, 2.0, 10.0)
+DEFAULT_LENGTHS = (1024,)
+DEFAULT_REPEATS = 2
+DEFAULT_CONC_LENGTH = 1024
+#: Concurrency > 1 runs at these ratios by default (the balanced regime: at 10x a batch of 4 fp32
+#: passthrough transfers alone would take ~5 minutes and the default run must stay under 30).
+DEFAULT_CONC_RATIOS = (2.0,)
+QUICK_LENGTH = 512
+#: The regimes are defined by the bytes of a 16-bit BF16 transfer (the paper's BF16), whatever the cache
+#: dtype: on CPU the cache is fp32, so the "bf16" mode (passthrough) moves twice those bytes.
+REF_BYTES_PER_VALUE = 2
+QUICK_LINK_GBPS = 0.25
+MAX_MODEL_LEN = 4096
+CACHE_DTYPES = ("float32", "bfloat16", "float16")
+TASKS = ("summary", "needle")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+
+def model_shape(model: str) -> ModelShape:
+    """Layers, KV heads and head size of ``model`` (a local folder or a cached Hugging Face name)."""
+    local = Path(model) / "config.json"
+    if local.exists():
+        cfg = json.loads(local.read_text())
+    else:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(model).to_dict()
+    cfg = cfg.get("text_config", cfg)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return ModelShape(cfg["num_hidden_layers"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                      head_dim)
+
+
+def wire_bytes(mode: str, num_tokens: int, shape: ModelShape, cache_dtype: str = "float32") -> tuple[int, int]:
+    """``(bytes needed before the first client-visible token, bytes on the wire)`` for one request.
+
+    anchor: the residual is never pulled. speculative (greedy): the first token is P's, released when D's
+    first token on the anchor agrees with it, so it needs the anchor plane only; the later ones wait for the
+    residual (verification)."""
+    import torch
+
+    from lynx_connector.codec import get_codec
+
+    codec = get_codec("lynx" if mode in TWO_STREAM else mode)
+    a, r = codec.plane_nbytes(num_tokens, shape.kv_heads, shape.head_dim, getattr(torch, cache_dtype))
+    a, r = a * shape.layers, r * shape.layers
+    if mode == "anchor":
+        return a, a
+    if mode == "speculative":
+        return a, a + r
+    return a + r, a + r
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated quantile (q in [0, 1]); None for no values."""
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return None
+    pos = q * (len(vals) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(vals) - 1)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+def ideal_ttfts(prefill_s: float, first_bytes: list[int], link_gbps: float | None) -> list[float]:
+    """Ideal TTFT of each request of a batch sent at once: P prefills them one after another, the link carries
+    each request's needed bytes in order as soon as its prefill is done (unpaced link: transfer time 0)."""
+    out = []
+    link_free = 0.0
+    for k, nbytes in enumerate(first_bytes):
+        ready = (k + 1) * prefill_s
+        xfer = 0.0 if not link_gbps else nbytes * 8 / (link_gbps * 1e9)
+        done = max(ready, link_free) + xfer
+        link_free = done
+        out.append(done)
+    return out
+
+
+def cell_ideals(prefill_s: float, first_bytes: list[int], link_gbps: float | None, conc: int) -> list[float]:
+    """Ideal TTFTs of a cell's requests: at concurrency 1 each request on its own, else as one batch."""
+    if conc == 1:
+        return [ideal_ttfts(prefill_s, [b], link_gbps)[0] for b in first_bytes]
+    return ideal_ttfts(prefill_s, list(first_bytes), link_gbps)
+
+
+def ref_bf16_bytes(num_tokens: int, shape: ModelShape) -> int:
+    """Bytes of a 16-bit BF16 transfer of ``num_tokens`` tokens (K and V, every layer): what defines a regime."""
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * REF_BYTES_PER_VALUE * num_tokens
+
+
+def choose_rates(prefill_s: float, ref_tokens: int, shape: ModelShape, ratios: list[float]) -> list[float]:
+    """Link rates (Gbit/s) at which a 16-bit BF16 transfer of ``ref_tokens`` takes ``ratio x prefill_s``."""
+    return [float(f"{ref_bf16_bytes(ref_tokens, shape) * 8 / (ratio * prefill_s) / 1e9:.4g}") for ratio in ratios]
+
+
+def kv_config(link_gbps: float | None, spec_min_margin: float | None = None) -> str:
+    extra: dict[str, Any] = {"mode": "full", "link_gbps": link_gbps}
+    if spec_min_margin is not None:
+        extra["speculative_min_margin"] = spec_min_margin
+    return json.dumps({"kv_connector": "lynx", "kv_connector_extra_config": extra})
+
+
+@dataclass
+class Plan:
+    modes: list[str]
+    lengths: list[int]
+    repeats: int
+    concurrency: list[int]
+    conc_length: int
+    max_tokens: int
+    cache_dtype: str = "float32"
+    max_model_len: int = MAX_MODEL_LEN
+    serve_args: tuple[str, ...] = ()
+    p_cpus: str | None = None
+    d_cpus: str | None = None
+    #: D's speculative_min_margin (None: the connector's default).
+    spec_min_margin: float | None = None
+
+
+def build_prompts(tok: Any, lengths: list[int], count: int, task: str = "summary") -> dict[int, list[Any]]:
+    from lynx_connector.lab.data import build_needle_prompt, build_summary_prompt
+
+    if task == "summary":  # a different essay per prompt
+        return {n: [build_summary_prompt(tok, n, seed=7 * i + n // 1024) for i in range(count)] for n in lengths}
+    depths = (0.2, 0.5, 0.8, 0.35, 0.65, 0.1, 0.9, 0.45)
+    return {n: [build_needle_prompt(tok, n, depth=depths[i % len(depths)], seed=1000 + 17 * n + i)
+                for i in range(count)] for n in lengths}

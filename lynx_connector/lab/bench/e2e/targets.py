@@ -1,0 +1,87 @@
+"""The issue's latency targets and how a result is judged against them (also re-judged from stored results)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from lynx_connector.lab.bench.e2e.plan import ModelShape, cell_ideals, quantile, wire_bytes
+
+TARGETS = {
+    "spec_ttft_vs_int8": 1.43,  # int8 TTFT / speculative TTFT in the transfer-dominated regime
+    "spec_ttft_vs_int4": 1.15,  # speculative TTFT / int4 TTFT at most
+    "compute_regime_lynx_vs_int8": 1.05,  # lynx (full, speculative) TTFT / int8 TTFT at most at ratio 0.5
+    "spec_ttft_vs_full": 1.43,  # full TTFT / speculative TTFT in the transfer-dominated regime (issue 5)
+    "spec_acceptance": 0.85,  # accepted / speculated tokens there (issue 5)
+}
+
+
+def evaluate_targets(rows: list[dict], ratios: list[float]) -> list[dict[str, Any]]:
+    """The issue's latency targets, judged on concurrency-1 medians pooled per rate (None = not measurable)."""
+    checks: list[dict[str, Any]] = []
+
+    def cells(label: str, mode: str, any_concurrency: bool = False) -> list[dict]:
+        return [r for r in rows if r["rate_label"] == label and r["mode"] == mode
+                and (any_concurrency or r["concurrency"] == 1)]
+
+    def med(label: str, mode: str, key: str) -> float | None:
+        vals = [r[key] for r in cells(label, mode) if r[key] is not None]
+        return statistics.median(vals) if vals else None
+
+    def pooled(label: str, key: str) -> int:
+        return sum(r[key] or 0 for r in cells(label, "speculative"))
+
+    hi = list(dict.fromkeys(r["rate_label"] for r in rows if ratios and r.get("target_ratio") == max(ratios)))
+    lo = list(dict.fromkeys(r["rate_label"] for r in rows if ratios and r.get("target_ratio") == min(ratios)))
+
+    for label in hi:
+        spec, i8, i4, full = (med(label, m, "ttft_s_median") for m in ("speculative", "int8", "int4", "full"))
+        s32, i832 = med(label, "speculative", "tt32_s_median"), med(label, "int8", "tt32_s_median")
+        checks.append(_check(label, "int8 TTFT / speculative TTFT", i8 / spec if spec and i8 else None,
+                             ">=", TARGETS["spec_ttft_vs_int8"]))
+        checks.append(_check(label, "speculative TTFT / int4 TTFT", spec / i4 if spec and i4 else None,
+                             "<=", TARGETS["spec_ttft_vs_int4"]))
+        checks.append(_check(label, "speculative TT32T / int8 TT32T", s32 / i832 if s32 and i832 else None,
+                             "<", 1.0))
+        checks.append(_check(label, "full TTFT / speculative TTFT", full / spec if spec and full else None,
+                             ">=", TARGETS["spec_ttft_vs_full"]))
+        for k in (32, 64):
+            s_k, f_k = med(label, "speculative", f"tt{k}_s_median"), med(label, "full", f"tt{k}_s_median")
+            checks.append(_check(label, f"speculative TT{k}T / full TT{k}T", s_k / f_k if s_k and f_k else None,
+                                 "<", 1.0))
+        held = pooled(label, "speculated")
+        checks.append(_check(label, "speculative acceptance (accepted / speculated)",
+                             pooled(label, "accepted") / held if held else None, ">=", TARGETS["spec_acceptance"]))
+        eq = [r["output_equal_full"] for r in cells(label, "speculative", any_concurrency=True)
+              if r.get("output_equal_full") is not None]
+        checks.append(_check(label, "speculative outputs equal to full (share)", min(eq) if eq else None,
+                             ">=", 1.0))
+    for label in lo:
+        i8 = med(label, "int8", "ttft_s_median")
+        for m in ("full", "speculative"):
+            v = med(label, m, "ttft_s_median")
+            checks.append(_check(label, f"{m} TTFT / int8 TTFT", v / i8 if v and i8 else None, "<=",
+                                 TARGETS["compute_regime_lynx_vs_int8"]))
+    return checks
+
+
+def _check(label: str, metric: str, value: float | None, op: str, target: float) -> dict[str, Any]:
+    ok = None if value is None else (value >= target if op == ">=" else value <= target if op == "<="
+                                     else value < target)
+    return {"regime": label, "metric": metric, "value": value, "op": op, "target": target, "pass": ok}
+
+
+def rederive_ideals(result: dict[str, Any]) -> None:
+    """Recompute each row's ideal TTFT and measured/ideal from the stored measurements (prefill, requests,
+    link rate) with the current model, and the target checks; for results written by an older version."""
+    shape = ModelShape(**result["model_shape"])
+    for row in result["rows"]:
+        reqs = [r for r in result["requests"] if r["rate_label"] == row["rate_label"] and r["mode"] == row["mode"]
+                and r["concurrency"] == row["concurrency"] and r["nominal_tokens"] == row["nominal_tokens"]]
+        first = [wire_bytes(row["mode"], r["prompt_tokens"], shape, result.get("cache_dtype", "float32"))[0]
+                 for r in reqs]
+        ideals = cell_ideals(row["prefill_s"], first, row["link_gbps"], row["concurrency"])
+        row["ideal_ttft_s"] = quantile(ideals, 0.5)
+        row["ttft_vs_ideal"] = (row["ttft_s_median"] / row["ideal_ttft_s"]
+                                if row["ttft_s_median"] and row["ideal_ttft_s"] else None)
+    result["checks"] = evaluate_targets(result["rows"], result["config"]["ratios"])
