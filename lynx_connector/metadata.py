@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from lynx_connector.config import MODES
+from lynx_connector.modes import MODE_NAMES, is_mode
 
 #: Version of the kv_transfer_params / side-channel contract; D refuses a P that speaks another one.
 LYNX_PARAMS_VERSION = 1
@@ -70,19 +70,30 @@ class LynxConnectorMetadata(KVConnectorMetadata):
     save_aborted: list[str] = field(default_factory=list)
     #: D: requests aborted while their KV was in flight: cancel the pulls, free staging on both sides.
     recv_aborted: list[str] = field(default_factory=list)
+    #: D: requests preempted while their residual is still pending (speculative mode): drop their pulls silently,
+    #: never write into their old blocks again (those were freed in this step).
+    recv_cancelled: list[str] = field(default_factory=list)
+    #: Test only: fault hooks of the pulls started in this step (``lynx_connector.testing``; empty in production).
+    test_hooks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
 class LynxWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, once per step: requests whose residual has been merged into D's blocks."""
+    """Worker -> scheduler, once per step (D, speculative mode): requests whose residual has been merged into
+    D's blocks, and requests whose anchor was already reported ready but whose residual can no longer arrive
+    (the speculative scheduler applies ``kv_load_failure_policy``)."""
 
     residual_merged: set[str] = field(default_factory=set)
+    residual_failed: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        # With tensor parallelism a request is merged only when every rank has merged its shard.
         if not isinstance(other, LynxWorkerMeta):
             return self
-        return LynxWorkerMeta(residual_merged=self.residual_merged & other.residual_merged)
+        # With tensor parallelism a request is merged only when every rank has merged its shard; failed as soon
+        # as one rank failed.
+        failed = self.residual_failed | other.residual_failed
+        return LynxWorkerMeta(residual_merged=(self.residual_merged & other.residual_merged) - failed,
+                              residual_failed=failed)
 
 
 @dataclass
@@ -158,8 +169,8 @@ class RemotePrefill:
         if num_tokens <= 0:
             raise InvalidTransferParams(f"remote_num_tokens must be > 0, got {num_tokens}")
         mode = need("lynx_mode", str)
-        if mode not in MODES:
-            raise InvalidTransferParams(f"lynx_mode {mode!r} is not one of {', '.join(MODES)}")
+        if not is_mode(mode):
+            raise InvalidTransferParams(f"lynx_mode {mode!r} is not one of {', '.join(MODE_NAMES)}")
         if not (0 < len(host) <= 255 and 0 < len(request_id) <= 1024 and 0 < len(engine_id) <= 256):
             raise InvalidTransferParams("remote_host/remote_request_id/remote_engine_id empty or too long")
         first = params.get("lynx_first_token")

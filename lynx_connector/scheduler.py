@@ -12,15 +12,17 @@ the worker confirms the pull is cancelled, so nothing writes into blocks that we
 
 Speculative mode (D): the request is reported ready when its anchor is merged and the residual keeps
 streaming into the same blocks; ``residual_merged`` / ``residual_failed`` come back through the worker
-metadata and are consumed by :class:`lynx_connector.speculative.scheduler.LynxSpecScheduler`, which registers itself
-here (``speculation_enabled``). Without that scheduler a speculative request is served as ``full`` (decoding
-on an unverified anchor would return lossy tokens). Until its residual is merged the request's blocks may
+metadata and are consumed by :class:`lynx_connector.speculative.scheduler.LynxSpecScheduler` through
+:class:`SpeculationPort`, the whole interface between the two (the scheduler enables speculation with it).
+Without that scheduler a speculative request is served as ``full`` (decoding on an unverified anchor would
+return lossy tokens). Until its residual is merged the request's blocks may
 still be written: an abort keeps them until the worker confirms (as above), a preemption cancels the pull in
 the same step the blocks are freed (the worker drops it before it could write again).
 """
 
 from __future__ import annotations
 
+from collections.abc import Set
 from typing import TYPE_CHECKING, Any
 
 from lynx_connector.config import MODES, LynxConfig
@@ -34,7 +36,7 @@ from lynx_connector.metadata import (
     RemotePrefill,
     SaveSpec,
 )
-from lynx_connector.speculative.messages import SpecConnectorMetadata, SpecWorkerMeta, parse_test_hooks
+from lynx_connector.testing import fault_hooks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -67,15 +69,15 @@ class LynxConnectorScheduler:
         self._recv_aborted: list[str] = []
         # Residual-merged signals from the workers (used by the speculative scheduler).
         self.residual_merged: set[str] = set()
-        # Speculative mode: set by LynxSpecScheduler; requests whose residual is still to be merged; residuals
-        # that failed after the anchor; pulls to cancel (preempted); per-request test hooks to send.
+        # Speculative mode: enabled by LynxSpecScheduler (SpeculationPort.enable); requests whose residual is
+        # still to be merged; residuals that failed after the anchor; pulls to cancel (preempted).
         self.speculation_enabled = False
         self.spec_pending: set[str] = set()
         self.residual_failed: set[str] = set()
         self._recv_cancelled: list[str] = []
         #: The token P sampled after the prompt, for speculative requests (taken by LynxSpecScheduler).
         self.spec_first_token: dict[str, int] = {}
-        self._test_hooks: dict[str, dict[str, Any]] = {}
+        self._faults = fault_hooks(config)  # test-only (lynx_connector.testing)
         self._warned_no_spec = False
 
     # ---- start-up -------------------------------------------------------------------------------------
@@ -160,9 +162,7 @@ class LynxConnectorScheduler:
                 self.spec_pending.add(request.request_id)
                 if remote.first_token is not None:
                     self.spec_first_token[request.request_id] = remote.first_token
-            hooks = parse_test_hooks(request.request_id, params)
-            if hooks:
-                self._test_hooks[request.request_id] = hooks
+            self._faults.on_pull(request.request_id, params)
 
     def _decode_mode(self, request: Request, mode: str) -> str:
         """D's mode for a pull: speculation needs the Lynx scheduler, otherwise the request is served as full.
@@ -206,15 +206,14 @@ class LynxConnectorScheduler:
 
     # ---- per step -------------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> LynxConnectorMetadata:
-        meta = SpecConnectorMetadata(
+        meta = LynxConnectorMetadata(
             reqs_to_recv=self._recv_pending,
             save_aborted=self._save_aborted,
             recv_aborted=self._recv_aborted,
             recv_cancelled=self._recv_cancelled,
-            test_hooks=self._test_hooks,
+            test_hooks=self._faults.take_outgoing(),
         )
-        self._recv_pending, self._save_aborted, self._recv_aborted = [], [], []
-        self._recv_cancelled, self._test_hooks = [], {}
+        self._recv_pending, self._save_aborted, self._recv_aborted, self._recv_cancelled = [], [], [], []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self._save_tracked.get(req_id)
             if req is None or req_id in self._saved:
@@ -237,7 +236,6 @@ class LynxConnectorScheduler:
         if isinstance(meta, LynxWorkerMeta):
             self.residual_merged |= meta.residual_merged
             self.spec_pending -= meta.residual_merged
-        if isinstance(meta, SpecWorkerMeta):
             failed = meta.residual_failed & self.spec_pending
             self.residual_failed |= failed
             self.spec_pending -= failed
@@ -289,3 +287,50 @@ class LynxConnectorScheduler:
             first_token=request.output_token_ids[0] if request.num_output_tokens else None,
         )
         return False, remote.to_params()
+
+
+class SpeculationPort:
+    """The connector's scheduler half as the speculative scheduler (D, ``LynxSpecScheduler``) sees it: the whole
+    interface between the two. Obtained with :func:`speculation_port`; ``enable()`` turns speculative pulls on
+    (without it a ``speculative`` request is served as ``full``)."""
+
+    def __init__(self, half: LynxConnectorScheduler) -> None:
+        self._half = half
+
+    @property
+    def max_speculative_tokens(self) -> int:
+        return self._half.config.max_speculative_tokens
+
+    @property
+    def speculative_min_margin(self) -> float:
+        return self._half.config.speculative_min_margin
+
+    def enable(self) -> None:
+        self._half.speculation_enabled = True
+
+    def pending(self) -> Set[str]:
+        """Requests pulled in speculative mode whose residual is still to be merged (read-only view)."""
+        return self._half.spec_pending
+
+    def take_residual_merged(self) -> set[str]:
+        """Requests whose residual was merged since the last call."""
+        return self._half.take_residual_merged()
+
+    def take_residual_failed(self) -> set[str]:
+        """Requests whose residual failed after their anchor was reported ready, since the last call."""
+        return self._half.take_residual_failed()
+
+    def take_first_token(self, req_id: str) -> int | None:
+        """The token P sampled after the prompt of ``req_id`` (once; None when P sent none)."""
+        return self._half.spec_first_token.pop(req_id, None)
+
+    def cancel_residual(self, req_id: str) -> bool:
+        """``req_id`` is preempted (its blocks are freed in this step): cancel its pull silently. True when a pull
+        was still pending."""
+        return self._half.cancel_residual(req_id)
+
+
+def speculation_port(connector: Any) -> SpeculationPort | None:
+    """The speculation interface of a vLLM scheduler's connector, None unless it is a LynxConnector's."""
+    half = getattr(connector, "connector_scheduler", None)
+    return SpeculationPort(half) if isinstance(half, LynxConnectorScheduler) else None

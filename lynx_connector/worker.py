@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,8 +42,8 @@ from lynx_connector.metadata import (
     RecvSpec,
     SaveSpec,
 )
-from lynx_connector.speculative.messages import SpecConnectorMetadata, SpecWorkerMeta
 from lynx_connector.stats import LynxStats
+from lynx_connector.testing import fault_hooks
 from lynx_connector.transport import TransferSink, TransferSource, TransportConfig
 
 if TYPE_CHECKING:
@@ -60,7 +60,6 @@ class _Recv:
     anchor_landed: bool = False
     residual_landed: bool = False
     reported: bool = False  # finished_recving already sent to the scheduler
-    hooks: dict[str, Any] = field(default_factory=dict)  # test-only (speculative/messages.py)
     anchor_step: int = -1  # worker step in which the anchor was written (speculative mode)
 
 
@@ -87,6 +86,7 @@ class LynxConnectorWorker:
         self._merged: set[str] = set()
         self._residual_failed: set[str] = set()
         self._step = 0  # poll() calls, one per engine step
+        self._faults = fault_hooks(config)  # test-only (lynx_connector.testing)
 
     # ---- start-up -------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -208,13 +208,11 @@ class LynxConnectorWorker:
             rec = self._recvs.get(req_id)
             if rec is not None:
                 self._finish_recv(rec, error="aborted by the client", outcome="aborted")
-        hooks: dict[str, dict[str, Any]] = {}
-        if isinstance(meta, SpecConnectorMetadata):
-            for req_id in meta.recv_cancelled:
-                rec = self._recvs.get(req_id)
-                if rec is not None:
-                    self._finish_recv(rec, error="preempted while speculating", outcome="cancelled")
-            hooks = meta.test_hooks
+        for req_id in meta.recv_cancelled:
+            rec = self._recvs.get(req_id)
+            if rec is not None:
+                self._finish_recv(rec, error="preempted while speculating", outcome="cancelled")
+        hooks = meta.test_hooks
         for spec in meta.reqs_to_recv:
             self._start_recv(spec, hooks.get(spec.req_id, {}))
 
@@ -241,8 +239,9 @@ class LynxConnectorWorker:
             self._finished_recving.add(spec.req_id)
             self.stats.record_failure("stage")
             return
-        rec = _Recv(spec=spec, staged=staged, t_start=time.perf_counter(), hooks=dict(hooks))
+        rec = _Recv(spec=spec, staged=staged, t_start=time.perf_counter())
         self._recvs[spec.req_id] = rec
+        self._faults.track(spec.req_id, hooks)
         try:
             port = spec.port_for_rank(self.tp_rank)
             self.sink.pull(spec.req_id, spec.remote_host, port, spec.remote_req_id,
@@ -256,8 +255,8 @@ class LynxConnectorWorker:
         codec = self._codec(spec.mode)
         a, r = self._plane_nbytes(spec.mode, spec.num_tokens)
         anchor, residual = rec.staged.anchor, rec.staged.residual
-        if full and (self.config.fault_injection == "corrupt_residual" or rec.hooks.get("corrupt_residual")):
-            residual.bitwise_xor_(0x5A)
+        if full:
+            self._faults.corrupt(spec.req_id, residual)
         for i, (_, kv) in enumerate(self.layers):
             pa = anchor[i * a:(i + 1) * a]
             if full:
@@ -274,7 +273,10 @@ class LynxConnectorWorker:
             self.source.poll()
         if self.sink is None:
             return
-        self._merge_delayed()
+        for req_id in self._faults.due_merges(self._step):  # test hook delay_residual_steps
+            rec = self._recvs.get(req_id)
+            if rec is not None:
+                self._apply(rec, full=True)
         for ev in self.sink.poll():
             rec = self._recvs.get(ev.req_id)
             if rec is None:
@@ -293,22 +295,13 @@ class LynxConnectorWorker:
             else:
                 rec.residual_landed = True
                 self.stats.record_stream("residual", ev.nbytes, now)
-                if rec.hooks.get("fail_residual"):
-                    self._finish_recv(rec, error="residual stream failed (test hook fail_residual)")
+                fault = self._faults.residual_error(ev.req_id)
+                if fault is not None:
+                    self._finish_recv(rec, error=fault)
                     continue
             if rec.anchor_landed and rec.residual_landed and mode in ("full", "speculative"):
-                if mode == "speculative" and not self._residual_due(rec):
-                    continue  # test hook: merged by _merge_delayed in a later step
-                self._apply(rec, full=True)
-
-    def _residual_due(self, rec: _Recv) -> bool:
-        delay = rec.hooks.get("delay_residual_steps")
-        return delay is None or (rec.anchor_step >= 0 and self._step - rec.anchor_step >= delay)
-
-    def _merge_delayed(self) -> None:
-        """Test hook ``delay_residual_steps``: merge the residuals whose delay has elapsed."""
-        for rec in [r for r in self._recvs.values() if r.hooks.get("delay_residual_steps") is not None]:
-            if rec.anchor_landed and rec.residual_landed and self._residual_due(rec):
+                if mode == "speculative" and self._faults.defer_merge(ev.req_id, rec.anchor_step, self._step):
+                    continue  # test hook: merged in a later step (due_merges)
                 self._apply(rec, full=True)
 
     def _apply(self, rec: _Recv, full: bool) -> None:
@@ -338,6 +331,7 @@ class LynxConnectorWorker:
         assert self.sink is not None
         req_id = rec.spec.req_id
         self._recvs.pop(req_id, None)
+        self._faults.forget(req_id)
         if error is not None:
             if outcome == "failed":
                 logger.error("LynxConnector: KV load for request %s failed: %s", req_id, error)
@@ -374,7 +368,7 @@ class LynxConnectorWorker:
             return None
         merged, failed = self._merged, self._residual_failed
         self._merged, self._residual_failed = set(), set()
-        return SpecWorkerMeta(residual_merged=merged, residual_failed=failed)
+        return LynxWorkerMeta(residual_merged=merged, residual_failed=failed)
 
     def shutdown(self) -> None:
         for rec in list(self._recvs.values()):

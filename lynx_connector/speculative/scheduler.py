@@ -51,6 +51,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
 from lynx_connector.logger import init_logger
+from lynx_connector.scheduler import SpeculationPort, speculation_port
 from lynx_connector.speculative.confidence import ConfidenceGate
 from lynx_connector.speculative.state import Phase, SpecState
 from lynx_connector.stats import LynxStats
@@ -60,8 +61,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
-
-    from lynx_connector.scheduler import LynxConnectorScheduler
 
 logger = init_logger(__name__)
 
@@ -77,18 +76,19 @@ class LynxSpecScheduler(Scheduler):
                            "on an anchor must not be shared, and verification rewinds their block hashes)")
             vllm_config.cache_config.enable_prefix_caching = False
         super().__init__(vllm_config, *args, **kwargs)
-        self._lynx = self._find_lynx_half()
+        # The connector's scheduler half, through its speculation interface (None without a LynxConnector).
+        self._lynx: SpeculationPort | None = speculation_port(self.connector)
         self._k = int(self.num_spec_tokens)
-        self._cap = self._lynx.config.max_speculative_tokens if self._lynx is not None else 0
+        self._cap = self._lynx.max_speculative_tokens if self._lynx is not None else 0
         self._spec: dict[str, SpecState] = {}
         self._done: dict[str, dict[str, int]] = {}  # finished this step: counters for their final output
         self._stats = LynxStats()
-        self._gate = ConfidenceGate(self._lynx.config.speculative_min_margin if self._lynx is not None else 0.0,
+        self._gate = ConfidenceGate(self._lynx.speculative_min_margin if self._lynx is not None else 0.0,
                                     vllm_config.model_config.max_logprobs)
         enabled = self._lynx is not None and self._k > 0 and self._cap > 0
-        if self._lynx is not None:
-            self._lynx.speculation_enabled = enabled
         if enabled:
+            assert self._lynx is not None
+            self._lynx.enable()
             logger.info("Lynx speculative scheduler: up to %d tokens decoded on the anchor per request, verified "
                         "in passes of up to %d drafts; greedy requests stop at a logit margin below %s", self._cap,
                         self._k, self._gate.min_margin if self._gate.enabled else "(gate off)")
@@ -98,19 +98,13 @@ class LynxSpecScheduler(Scheduler):
                            "a speculative config (num_speculative_tokens > 0)" if self._k <= 0 else
                            "max_speculative_tokens > 0")
 
-    def _find_lynx_half(self) -> LynxConnectorScheduler | None:
-        from lynx_connector.scheduler import LynxConnectorScheduler
-
-        half = getattr(self.connector, "connector_scheduler", None)
-        return half if isinstance(half, LynxConnectorScheduler) else None
-
     # ---- scheduling ---------------------------------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         if self._lynx is not None:
             for req_id in sorted(self._lynx.take_residual_merged()):
                 self._on_residual_merged(req_id)
             if self._gate.enabled:  # requests not on the worker yet: ask for the logprobs the gate needs
-                for req_id in self._lynx.spec_pending:
+                for req_id in self._lynx.pending():
                     req = self.requests.get(req_id)
                     if req is not None and req_id not in self._spec:
                         self._gate.prepare(req)
@@ -186,7 +180,7 @@ class LynxSpecScheduler(Scheduler):
                                     is_stale: bool = False) -> tuple[list[int], bool]:
         req_id = request.request_id
         st = self._spec.get(req_id)
-        if st is None and self._lynx is not None and req_id in self._lynx.spec_pending:
+        if st is None and self._lynx is not None and req_id in self._lynx.pending():
             self._spec[req_id] = st = SpecState(req_id, prefill_token=self._prefill_token(request))
         if st is None:
             return super()._update_request_with_output(request, new_token_ids, is_stale)
@@ -225,7 +219,7 @@ class LynxSpecScheduler(Scheduler):
     def _prefill_token(self, request: Request) -> int | None:
         """P's first token, when this request may release it early (greedy, no logprobs)."""
         assert self._lynx is not None
-        tok = self._lynx.spec_first_token.pop(request.request_id, None)
+        tok = self._lynx.take_first_token(request.request_id)
         sp = self._gate.client_params(request)
         if tok is None or sp is None or sp.sampling_type != SamplingType.GREEDY or sp.logprobs is not None:
             return None
@@ -243,7 +237,7 @@ class LynxSpecScheduler(Scheduler):
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
         if self._gate.enabled and self._lynx is not None:  # margins of the tokens sampled on the anchor
-            self._gate.observe(model_runner_output, [r for r in self._lynx.spec_pending
+            self._gate.observe(model_runner_output, [r for r in self._lynx.pending()
                                                      if r not in self._spec or self._spec[r].phase is Phase.ANCHOR])
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         self._gate.strip(outputs)
