@@ -1,6 +1,7 @@
 """Speculative decode-on-anchor: D decodes on the anchor plane while the residual is in flight, then verifies.
 
 ``scheduler.LynxSpecScheduler`` (the vLLM scheduler class for ``lynx:speculative``), ``proposer.NullProposer``
-(drafts come from the scheduler, not a draft model), ``confidence`` (the greedy-margin gate), ``state`` (per-request
-phases) and ``messages`` (what the connector halves exchange about speculation).
+(drafts come from the scheduler, not a draft model), ``confidence`` (the greedy-margin gate) and ``state``
+(per-request phases). The scheduler talks to the connector's scheduler half only through
+``lynx_connector.scheduler.SpeculationPort``; the connector's base halves import nothing from this package.
 """
