@@ -44,6 +44,12 @@ class TransportConfig:
         late (on the loaded 2-core box 5 ms lost up to half the rate at 25 Gb/s; 20 ms holds >= 95%). Each
         busy period starts with one chunk of credit, so the rate over any window is <= link + one chunk.
     max_message_bytes: side-channel messages larger than this are rejected unread.
+    resend_s: D sends a Hello or Query again when it got no answer this long (both are idempotent; zmq drops
+        messages when a connection is reset or a queue is full, and nothing else would ever ask again).
+    retry_max_s: cap of D's exponential back-off between queries of a request P does not have ready yet
+        (starts at ``retry_s``, doubles per answer), so waiting pulls cannot flood the side channel.
+    reconnect_s: a peer that answered nothing this long while D waits on it gets a fresh connection and a new
+        handshake; the waiting pulls are asked again and none of them fails for it (each has its own deadline).
     """
 
     link_gbps: float | None = None
@@ -63,6 +69,9 @@ class TransportConfig:
     anchor_holdoff_s: float = 0.02
     burst_s: float = 0.02
     max_message_bytes: int = 1 << 20
+    resend_s: float = 0.5
+    retry_max_s: float = 0.1
+    reconnect_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.link_gbps is not None:
@@ -73,7 +82,7 @@ class TransportConfig:
             raise ValueError(
                 f"TransportConfig.window_bytes ({self.window_bytes}) must be >= chunk_bytes ({self.chunk_bytes})"
             )
-        for name in ("lease_s", "timeout_s", "retry_s", "burst_s"):
+        for name in ("lease_s", "timeout_s", "retry_s", "burst_s", "resend_s", "retry_max_s", "reconnect_s"):
             _positive_float(name, getattr(self, name))
         for name in ("target_progress_s", "anchor_holdoff_s"):
             val = getattr(self, name)

@@ -7,6 +7,12 @@ peer from the cache so the next pull re-handshakes. Every pulled stream yields e
 (unless aborted); control steps (handshake, region query, NotReady retries) give up after `timeout_s`.
 When a request's streams have all finished (ok or not) the sink tells P "done" so it frees its staging;
 `release()` does the same explicitly and is idempotent.
+
+Side-channel messages can be lost (zmq drops them when a connection is reset or a queue is full), so nothing
+waits on one reply: an unanswered Hello or Query is sent again after `resend_s`, NotReady answers are retried
+with exponential back-off (`retry_s` .. `retry_max_s`), and a peer silent for `reconnect_s` while pulls wait
+on it gets a fresh connection and handshake. A pull that reaches its own deadline fails alone: one silent or
+slow request never fails the other requests of the same peer.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from lynx_connector.logger import init_logger
 from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.events import ANCHOR, RESIDUAL, TransferEvent
+from lynx_connector.transport.link import Addr, PeerLink
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
 from lynx_connector.transport.pool import StagingPool
 from lynx_connector.transport.scheduler import StreamJob, TransferScheduler
@@ -34,19 +41,6 @@ from lynx_connector.transport.wake import Waker, unpin_current_thread
 logger = init_logger(__name__)
 
 __all__ = ["TransferSink"]
-
-Addr = tuple[str, int]
-
-
-@dataclass
-class _Peer:
-    addr: Addr
-    sock: zmq.Socket
-    state: str = "hello"  # hello -> ready; failed once dropped
-    agent: str = ""
-    pool_addr: int = 0
-    pool_nbytes: int = 0
-
 
 @dataclass
 class _Pull:
@@ -58,7 +52,9 @@ class _Pull:
     t0: float
     deadline: float
     state: str = "wait_peer"  # wait_peer -> query -> transferring
-    retry_at: float | None = None
+    retry_at: float | None = None  # query again at (after a NotReady answer)
+    sent_at: float | None = None  # a query is out and unanswered since
+    backoff: float = 0.0
     last_reply: str = "no answer"
     pending: set[str] = field(default_factory=set)
     failed: bool = False
@@ -91,12 +87,14 @@ class TransferSink:
         self._sched_events: list[TransferEvent] = []  # service-thread only
         self._ev_lock = threading.Lock()
         self._active: set[str] = set()  # pulled and not yet forgotten (caller-side duplicate check)
-        self._peers: dict[Addr, _Peer] = {}
+        self._peers: dict[Addr, PeerLink] = {}
         self._pulls: dict[str, _Pull] = {}
         self._poller = zmq.Poller()
         self._poller.register(self._waker.receiver, zmq.POLLIN)
         self._sched = TransferScheduler(self._nixl, config, self._on_event, record_posts=record_posts)
         self.cpu_s = 0.0
+        self._resent = 0  # Hello/Query messages sent again for want of an answer
+        self._reconnects = 0
         self._stop = False
         self._thread = threading.Thread(target=self._serve, name="lynx-sink", daemon=True)
         self._thread.start()
@@ -150,6 +148,8 @@ class TransferSink:
     def stats(self) -> dict[str, Any]:
         return {
             "cpu_s": self.cpu_s,
+            "resent": self._resent,
+            "reconnects": self._reconnects,
             "chunks_posted": self._sched.stats.chunks_posted,
             "bytes_done": self._sched.stats.bytes_done,
             "max_inflight_bytes": self._sched.stats.max_inflight_bytes,
@@ -188,27 +188,34 @@ class TransferSink:
         unpin_current_thread()
         t_cpu = time.thread_time()
         while not self._stop:
-            self._run_commands()
-            # anchors known to be coming (regions still being queried) go before any residual, briefly
-            self._sched.hold_residual_until = max(
-                (p.t0 + self.config.anchor_holdoff_s for p in self._pulls.values() if p.state != "transferring"),
-                default=0.0,
-            )
-            wait = self._sched.step()
-            self._process_sched_events()
-            wait = self._check_deadlines(wait)
-            timeout_ms = -1 if wait is None else (0 if wait <= 0 else max(1, int(wait * 1000 + 0.999)))
-            if wait is not None and 0 < wait < 0.001:  # sub-ms waits: sleep precisely, not 1 ms
-                time.sleep(wait)
-                timeout_ms = 0
-            ready = dict(self._poller.poll(timeout_ms))
-            if self._waker.receiver in ready:
-                self._waker.drain()
-            for peer in list(self._peers.values()):
-                if peer.sock in ready and self._peers.get(peer.addr) is peer:
-                    self._drain_peer(peer)
-            self._process_sched_events()
+            try:
+                self._serve_once()
+            except Exception:  # never let one bad message or event kill the thread every pull depends on
+                logger.exception("lynx sink: service loop error (continuing)")
+                time.sleep(0.01)
             self.cpu_s = time.thread_time() - t_cpu
+
+    def _serve_once(self) -> None:
+        self._run_commands()
+        # anchors known to be coming (regions still being queried) go before any residual, briefly
+        self._sched.hold_residual_until = max(
+            (p.t0 + self.config.anchor_holdoff_s for p in self._pulls.values() if p.state != "transferring"),
+            default=0.0,
+        )
+        wait = self._sched.step()
+        self._process_sched_events()
+        wait = self._check_deadlines(wait)
+        timeout_ms = -1 if wait is None else (0 if wait <= 0 else max(1, int(wait * 1000 + 0.999)))
+        if wait is not None and 0 < wait < 0.001:  # sub-ms waits: sleep precisely, not 1 ms
+            time.sleep(wait)
+            timeout_ms = 0
+        ready = dict(self._poller.poll(timeout_ms))
+        if self._waker.receiver in ready:
+            self._waker.drain()
+        for peer in list(self._peers.values()):
+            if peer.sock in ready and self._peers.get(peer.addr) is peer:
+                self._drain_peer(peer)
+        self._process_sched_events()
 
     def _run_commands(self) -> None:
         while True:
@@ -238,78 +245,103 @@ class TransferSink:
         if peer.state == "ready":
             self._query(pull)
 
-    def _connect(self, addr: Addr) -> _Peer:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes)
-        sock.connect(f"tcp://{addr[0]}:{addr[1]}")
-        peer = _Peer(addr, sock)
+    def _connect(self, addr: Addr) -> PeerLink:
+        peer = PeerLink(self._ctx, self._poller, addr, self.config.max_message_bytes)
         self._peers[addr] = peer
-        self._poller.register(sock, zmq.POLLIN)
-        self._send(peer, proto.Hello(v=proto.VERSION, compat=self.compat))
+        peer.hello(self.compat)
         return peer
 
-    def _send(self, peer: _Peer, msg: proto.Message) -> None:
-        try:
-            peer.sock.send(proto.encode(msg), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            logger.warning("side channel to %s:%s: send failed: %s", *peer.addr, exc)
+    def _reconnect(self, peer: PeerLink, now: float) -> None:
+        """A fresh connection and handshake for a peer that stopped answering; its NIXL agent stays added
+        (transfers in flight go on), waiting pulls are queried again once the handshake is answered."""
+        logger.warning("lynx sink: peer %s silent for %.1fs with %d pulls waiting: reconnecting",
+                       peer.name, now - peer.silent_since(), len(self._pulls_of(peer)))
+        peer.reopen()
+        self._reconnects += 1
+        for pull in self._pulls_of(peer):
+            if pull.state == "query":
+                pull.state, pull.sent_at, pull.retry_at = "wait_peer", None, None
+        peer.hello(self.compat)
 
     def _query(self, pull: _Pull) -> None:
         pull.state = "query"
         pull.retry_at = None
-        self._send(self._peers[pull.addr], proto.Query(v=proto.VERSION, req_id=pull.remote_req_id))
+        pull.sent_at = time.monotonic()
+        self._peers[pull.addr].send(proto.Query(v=proto.VERSION, req_id=pull.remote_req_id))
 
     def _send_done(self, pull: _Pull) -> None:
         peer = self._peers.get(pull.addr)
         if peer is not None:
-            self._send(peer, proto.Done(v=proto.VERSION, req_id=pull.remote_req_id))
+            peer.send(proto.Done(v=proto.VERSION, req_id=pull.remote_req_id))
 
     def _forget(self, req_id: str) -> None:
         with self._ev_lock:
             self._active.discard(req_id)
 
     def _check_deadlines(self, wait: float | None) -> float | None:
+        """Timers of the control path: deadlines (each pull alone), NotReady retries, re-sent messages and
+        reconnects of silent peers. Returns the sleep until the next timer (merged with ``wait``)."""
         now = time.monotonic()
+        cfg = self.config
+        timers: list[float] = [] if wait is None else [now + wait]
         for pull in list(self._pulls.values()):
             if pull.state == "transferring" or self._pulls.get(pull.req_id) is not pull:
                 continue
             if now >= pull.deadline:
-                err = (f"peer {pull.addr[0]}:{pull.addr[1]} did not serve {pull.remote_req_id!r} "
-                       f"within {self.config.timeout_s}s (last answer: {pull.last_reply})")
-                if pull.last_reply == "no answer":  # a silent peer: forget it, fail all its pulls
-                    self._fail_peer(self._peers.get(pull.addr), err)
-                if pull.req_id in self._pulls:
-                    self._fail(pull, err)
+                self._expire(pull)
                 continue
             if pull.retry_at is not None and now >= pull.retry_at:
                 self._query(pull)
-            nxt = pull.deadline if pull.retry_at is None else min(pull.deadline, pull.retry_at)
-            wait = nxt - now if wait is None else min(wait, nxt - now)
-        return wait
+            elif pull.sent_at is not None and now - pull.sent_at >= cfg.resend_s:
+                self._resent += 1
+                self._query(pull)
+            timers.append(pull.deadline)
+            if pull.retry_at is not None:
+                timers.append(pull.retry_at)
+            if pull.sent_at is not None:
+                timers.append(pull.sent_at + cfg.resend_s)
+        for peer in list(self._peers.values()):
+            waiting = [p for p in self._pulls_of(peer) if p.state != "transferring"]
+            if not waiting:
+                continue
+            if now - peer.silent_since() >= cfg.reconnect_s:
+                self._reconnect(peer, now)
+            elif peer.state == "hello" and now - peer.hello_at >= cfg.resend_s:
+                self._resent += 1
+                peer.hello(self.compat)
+            timers.append(peer.silent_since() + cfg.reconnect_s)
+            if peer.state == "hello":
+                timers.append(peer.hello_at + cfg.resend_s)
+        return None if not timers else max(0.0, min(timers) - now)
 
-    def _drain_peer(self, peer: _Peer) -> None:
-        for _ in range(256):
-            try:
-                frame = peer.sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+    def _expire(self, pull: _Pull) -> None:
+        """A pull's own deadline passed before its transfer started: fail it (only it). A peer that never
+        answered anything since then and serves no other pull is dropped, so the next pull starts afresh."""
+        err = (f"peer {pull.addr[0]}:{pull.addr[1]} did not serve {pull.remote_req_id!r} "
+               f"within {self.config.timeout_s}s (last answer: {pull.last_reply})")
+        self._fail(pull, err)
+        peer = self._peers.get(pull.addr)
+        if peer is not None and peer.heard_at <= pull.t0 and not self._pulls_of(peer):
+            self._fail_peer(peer, err)
+
+    def _drain_peer(self, peer: PeerLink) -> None:
+        for frame in peer.frames():
             try:
                 msg = proto.decode(frame, self.config.max_message_bytes)
             except proto.ProtocolError as exc:
-                logger.warning("side channel from %s:%s: rejected a malformed reply: %s", *peer.addr, exc)
+                logger.warning("side channel from %s: rejected a malformed reply: %s", peer.name, exc)
                 continue
             self._on_reply(peer, msg)
             if peer.addr not in self._peers:
                 return
 
-    def _pulls_of(self, peer: _Peer, remote_req_id: str | None = None) -> list[_Pull]:
+    def _pulls_of(self, peer: PeerLink, remote_req_id: str | None = None) -> list[_Pull]:
         return [
             p for p in self._pulls.values()
             if p.addr == peer.addr and (remote_req_id is None or p.remote_req_id == remote_req_id)
         ]
 
-    def _on_reply(self, peer: _Peer, msg: proto.Message) -> None:
+    def _on_reply(self, peer: PeerLink, msg: proto.Message) -> None:
         if isinstance(msg, proto.HelloOk) and peer.state == "hello":
             self._on_hello(peer, msg)
         elif isinstance(msg, proto.Error) and not msg.req_id:
@@ -322,25 +354,35 @@ class TransferSink:
         elif not isinstance(msg, proto.Ack):
             logger.warning("side channel from %s:%s: unexpected %s", *peer.addr, type(msg).__name__)
 
-    def _on_hello(self, peer: _Peer, msg: proto.HelloOk) -> None:
+    def _on_hello(self, peer: PeerLink, msg: proto.HelloOk) -> None:
         if msg.compat_hash != self.compat_hash:
             self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]} compat hash {msg.compat_hash[:12]} != "
                             f"ours {self.compat_hash[:12]}")
             return
-        try:
-            peer.agent = self._nixl.add_remote(msg.agent_md)
-        except Exception as exc:
-            self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]}: bad NIXL metadata: {exc}")
-            return
+        same = bool(peer.agent) and peer.agent == msg.agent_name and peer.pool_addr == msg.pool_addr
+        if peer.agent and not same:  # re-handshake with a restarted P: its old staging is gone
+            self._sched.fail_peer(peer.agent, f"peer {peer.addr[0]}:{peer.addr[1]} restarted")
+            self._remove_remote(peer)
+        if not same:
+            try:
+                peer.agent = self._nixl.add_remote(msg.agent_md)
+            except Exception as exc:
+                self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]}: bad NIXL metadata: {exc}")
+                return
         peer.state, peer.pool_addr, peer.pool_nbytes = "ready", msg.pool_addr, msg.pool_nbytes
-        logger.info("lynx sink: handshake with %s:%s done (agent %s)", *peer.addr, peer.agent)
+        logger.info("lynx sink: handshake with %s:%s done (agent %s%s)", *peer.addr, peer.agent,
+                    ", reconnected" if peer.reconnects else "")
         for pull in self._pulls_of(peer):
-            self._query(pull)
+            if pull.state != "transferring":
+                self._query(pull)
 
-    def _on_query_reply(self, pull: _Pull, peer: _Peer, msg: proto.Message) -> None:
+    def _on_query_reply(self, pull: _Pull, peer: PeerLink, msg: proto.Message) -> None:
+        pull.sent_at = None
         if isinstance(msg, proto.NotReady) or (isinstance(msg, proto.Error) and msg.code == "unknown_request"):
             pull.last_reply = "not ready" if isinstance(msg, proto.NotReady) else "unknown request"
-            pull.retry_at = time.monotonic() + self.config.retry_s
+            cfg = self.config
+            pull.backoff = min(cfg.retry_max_s, max(cfg.retry_s, 2 * pull.backoff))
+            pull.retry_at = time.monotonic() + pull.backoff
             return
         if isinstance(msg, proto.Error):
             self._fail(pull, f"peer {peer.addr[0]}:{peer.addr[1]} refused {pull.remote_req_id!r} "
@@ -411,7 +453,7 @@ class TransferSink:
         self._finish(pull)
         self._publish(events)
 
-    def _fail_peer(self, peer: _Peer | None, error: str) -> None:
+    def _fail_peer(self, peer: PeerLink | None, error: str) -> None:
         """Fail every pull from a peer and drop it from the cache (the next pull re-handshakes)."""
         if peer is None or self._peers.get(peer.addr) is not peer or peer.state == "failed":
             return
@@ -424,14 +466,14 @@ class TransferSink:
         del self._peers[peer.addr]
         self._drop_peer_resources(peer, linger_ms=100)
 
-    def _drop_peer_resources(self, peer: _Peer, linger_ms: int = 0) -> None:
-        try:
-            self._poller.unregister(peer.sock)
-        except KeyError:
-            pass
-        peer.sock.close(linger=linger_ms)
+    def _drop_peer_resources(self, peer: PeerLink, linger_ms: int = 0) -> None:
+        peer.close(linger_ms)
+        self._remove_remote(peer)
+
+    def _remove_remote(self, peer: PeerLink) -> None:
         if peer.agent:
             try:
                 self._nixl.remove_remote(peer.agent)
             except Exception as exc:
                 logger.debug("remove_remote_agent(%s): %s", peer.agent, exc)
+            peer.agent = ""

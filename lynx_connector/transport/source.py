@@ -1,9 +1,11 @@
 """P side: `TransferSource` owns the staging pool (registered with NIXL once), a NIXL agent and the zmq
 ROUTER side channel whose service thread answers handshakes and region queries and frees staging.
 
-Lifecycle of a request's staging: `alloc` -> caller encodes into the views -> `publish` (queries answered
-from then on; before, D gets NotReady and retries) -> freed on D's Done (side channel, or a NIXL notification
-``done:<req_id>``), on lease expiry (`lease_s` after publish, renewed by each query), or on `abort`.
+Lifecycle of a request's staging: (`expect`: D's queries get NotReady while P waits for room) -> `alloc` ->
+caller encodes into the views -> `publish` (queries answered from then on; before, D gets NotReady and
+retries) -> freed on D's Done (side channel, or a NIXL notification ``done:<req_id>``), on lease expiry
+(`lease_s` after publish, renewed by each query), or on `abort`. `reject(req_id, code, message)` gives up on
+a request: D's next query gets that error at once (e.g. ``staging_full``), not a silent wait.
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ logger = init_logger(__name__)
 __all__ = ["TransferSource"]
 
 IDLE_POLL_MS = 500
+MAX_REJECTED = 4096  # rejections remembered (each for lease_s) so D hears why, not "unknown request"
 
 
 @dataclass
 class _Entry:
-    staged: StagedRequest
+    staged: StagedRequest | None  # None: expected, not staged yet (NotReady)
     published: bool = False
     deadline: float | None = None
 
@@ -59,12 +62,17 @@ class TransferSource:
         self._md = self._nixl.metadata()  # after registration
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
+        self._rejected: dict[str, tuple[str, str, float]] = {}  # req_id -> (code, message, forget at)
         self._freed: list[str] = []
-        self.counters = {"served_queries": 0, "malformed": 0, "freed_done": 0, "freed_lease": 0, "freed_abort": 0}
+        self.counters = {"served_queries": 0, "malformed": 0, "freed_done": 0, "freed_lease": 0, "freed_abort": 0,
+                         "rejected": 0, "replies_dropped": 0}
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot be delivered raises: counted, logged
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
         if config.port == 0:
             port = self._sock.bind_to_random_port(f"tcp://{config.host}")
         else:
@@ -84,20 +92,45 @@ class TransferSource:
         """(host, port) of the side channel."""
         return self._address
 
-    def alloc(self, req_id: str, anchor_nbytes: int, residual_nbytes: int) -> StagedRequest:
-        """Reserve staging for a request (raises `StagingFullError` when the pool is full)."""
+    @staticmethod
+    def _check_id(req_id: str) -> None:
         if not isinstance(req_id, str) or not 0 < len(req_id) <= proto.MAX_ID:
             raise ValueError(f"req_id must be a non-empty str of at most {proto.MAX_ID} chars")
+
+    def expect(self, req_id: str) -> None:
+        """Announce a request that will be staged (D's queries get NotReady until `publish` or `reject`)."""
+        self._check_id(req_id)
+        with self._lock:
+            self._entries.setdefault(req_id, _Entry(None))
+            self._rejected.pop(req_id, None)
+
+    def alloc(self, req_id: str, anchor_nbytes: int, residual_nbytes: int) -> StagedRequest:
+        """Reserve staging for a request (raises `StagingFullError` when the pool is full)."""
+        self._check_id(req_id)
+        with self._lock:
+            entry = self._entries.get(req_id)
+            if entry is not None and entry.staged is not None:
+                raise ValueError(f"request {req_id!r} is already staged")
         staged = self.pool.alloc_request(req_id, anchor_nbytes, residual_nbytes)
         with self._lock:
             self._entries[req_id] = _Entry(staged)
+            self._rejected.pop(req_id, None)
         return staged
+
+    def reject(self, req_id: str, code: str, message: str) -> None:
+        """Give up on a request: free what it holds; D's queries for it get ``Error(code, message)``."""
+        self._free(req_id, "abort")
+        with self._lock:
+            if len(self._rejected) >= MAX_REJECTED:
+                self._rejected.pop(next(iter(self._rejected)))
+            self._rejected[req_id] = (code[:64], message[:4000], time.monotonic() + self.config.lease_s)
+            self.counters["rejected"] += 1
 
     def publish(self, req_id: str) -> None:
         """Make a request's (already written) staging readable by D; starts its lease."""
         with self._lock:
             entry = self._entries.get(req_id)
-            if entry is None:
+            if entry is None or entry.staged is None:
                 raise KeyError(f"no staging for request {req_id!r}")
             entry.published = True
             entry.deadline = time.monotonic() + self.config.lease_s
@@ -143,7 +176,8 @@ class TransferSource:
                 return False
             self._freed.append(req_id)
             self.counters[f"freed_{why}"] += 1
-        self.pool.free_request(req_id)
+        if entry.staged is not None:
+            self.pool.free_request(req_id)
         logger.debug("freed staging of %s (%s)", req_id, why)
         return True
 
@@ -182,6 +216,8 @@ class TransferSource:
         now = time.monotonic()
         with self._lock:
             expired = [r for r, e in self._entries.items() if e.deadline is not None and e.deadline <= now]
+            for req_id in [r for r, (_, _, t) in self._rejected.items() if t <= now]:
+                del self._rejected[req_id]
         for req_id in expired:
             logger.warning("lease of %s expired after %.1fs without D's done: freeing", req_id, self.config.lease_s)
             self._free(req_id, "lease")
@@ -209,8 +245,9 @@ class TransferSource:
     def _reply(self, ident: bytes, msg: proto.Message) -> None:
         try:
             self._sock.send_multipart([ident, proto.encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            logger.warning("side-channel reply dropped: %s", exc)
+        except zmq.ZMQError as exc:  # peer gone (EHOSTUNREACH) or its queue full (EAGAIN): D will ask again
+            self.counters["replies_dropped"] += 1
+            logger.warning("side-channel reply %s dropped: %s", type(msg).__name__, exc)
 
     def _handle(self, frames: list[bytes]) -> None:
         ident = frames[0]
@@ -249,9 +286,12 @@ class TransferSource:
                 entry = self._entries.get(msg.req_id)
                 if entry is not None and entry.published:
                     entry.deadline = time.monotonic() + self.config.lease_s
+                rejected = self._rejected.get(msg.req_id)
+            if rejected is not None:
+                return proto.Error(v=v, code=rejected[0], message=rejected[1], req_id=msg.req_id)
             if entry is None:
                 return proto.Error(v=v, code="unknown_request", message="no staging for request", req_id=msg.req_id)
-            if not entry.published:
+            if not entry.published or entry.staged is None:
                 return proto.NotReady(v=v, req_id=msg.req_id)
             self.counters["served_queries"] += 1
             s = entry.staged
@@ -264,6 +304,8 @@ class TransferSource:
                 residual_nbytes=s.residual_nbytes,
             )
         if isinstance(msg, proto.Done):
+            with self._lock:
+                self._rejected.pop(msg.req_id, None)
             self._free(msg.req_id, "done")
             return proto.Ack(v=v, req_id=msg.req_id)
         return proto.Error(v=v, code="unexpected", message=f"P does not accept {type(msg).__name__}")

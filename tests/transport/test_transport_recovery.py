@@ -1,0 +1,200 @@
+"""Side-channel recovery (issue 13): lost messages, a silent request, a paused or restarted P, a full pool.
+
+TransferSource + TransferSink in one process, real zmq side channel, fake NIXL. Losses are made by wrapping the
+source's reply path; a "paused" P is its service thread held in a lock (its socket keeps queueing)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from lynx_connector.transport import protocol as proto
+from lynx_connector.transport.config import TransportConfig
+from lynx_connector.transport.sink import TransferSink
+from lynx_connector.transport.source import TransferSource
+
+from .fakes import FakeFabric, FakeNixlWrapper
+from .test_transport_source_sink import COMPAT, collect, stage, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+CFG = dict(pool_bytes=1 << 22, chunk_bytes=64 << 10, lease_s=30.0, retry_s=0.01)
+
+
+@pytest.fixture
+def pair(fabric: FakeFabric) -> Iterator[tuple[TransferSource, TransferSink]]:
+    src = TransferSource(TransportConfig(**CFG, timeout_s=3.0), COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
+    sink = TransferSink(TransportConfig(**CFG, timeout_s=3.0, resend_s=0.2, reconnect_s=0.8), COMPAT,
+                        nixl=FakeNixlWrapper(fabric, "D"))
+    yield src, sink
+    sink.close()
+    src.close()
+
+
+def drop_replies(src: TransferSource, should_drop) -> list[str]:
+    """Make the source lose the replies for which ``should_drop(msg)`` is true; returns the dropped kinds."""
+    dropped: list[str] = []
+    real = src._reply
+
+    def reply(ident: bytes, msg: proto.Message) -> None:
+        if should_drop(msg):
+            dropped.append(type(msg).__name__)
+            return
+        real(ident, msg)
+
+    src._reply = reply  # type: ignore[method-assign]
+    return dropped
+
+
+def pull(sink: TransferSink, src: TransferSource, req: str, a: int = 3000, r: int = 2000):
+    v = sink.pool.alloc_request(req, a, r)
+    sink.pull(req, *src.address, req, v.anchor, v.residual)
+    return v
+
+
+def test_lost_hello_and_regions_replies_are_asked_again(pair) -> None:
+    """Before: a lost reply left the pull waiting in silence until timeout_s, then failed every pull of the
+    peer. Now the unanswered Hello and Query are sent again after resend_s."""
+    src, sink = pair
+    first = {"HelloOk": True, "Regions": True}
+
+    def once(msg: proto.Message) -> bool:
+        kind = type(msg).__name__
+        if first.get(kind):
+            first[kind] = False
+            return True
+        return False
+
+    dropped = drop_replies(src, once)
+    st = stage(src, "a", 3000, 2000)
+    t0 = time.monotonic()
+    v = pull(sink, src, "a")
+    evs = collect(sink, 2, timeout=5.0)
+    assert all(e.ok for e in evs), [e.error for e in evs]
+    assert dropped == ["HelloOk", "Regions"]
+    assert time.monotonic() - t0 < 2.0  # two re-sends of 0.2 s, far inside timeout_s = 3 s
+    assert torch.equal(v.anchor, st.anchor) and torch.equal(v.residual, st.residual)
+    assert sink.stats()["resent"] >= 2
+
+
+def test_one_silent_request_fails_alone(pair) -> None:
+    """P never answers for request 'mute': it fails at its own deadline; the other requests pulled from the same
+    peer before, during and after are all served, and the peer stays cached."""
+    src, sink = pair
+    drop_replies(src, lambda m: getattr(m, "req_id", "") == "mute")
+    stage(src, "mute", 3000, 2000)
+    pull(sink, src, "mute")
+    oks = []
+    for i in range(4):
+        stage(src, f"ok{i}", 3000, 2000)
+        pull(sink, src, f"ok{i}")
+        oks += [e for e in collect(sink, 2, timeout=3.0)]
+        time.sleep(0.5)
+    evs = collect(sink, 2, timeout=5.0)
+    assert all(e.ok for e in oks) and {e.req_id for e in oks} == {f"ok{i}" for i in range(4)}
+    assert [e.req_id for e in evs] == ["mute", "mute"] and not any(e.ok for e in evs)
+    assert all("did not serve 'mute'" in e.error for e in evs)
+    assert sink.stats()["peers"] == 1 and sink.stats()["pulls_live"] == 0
+    stage(src, "after", 3000, 2000)
+    pull(sink, src, "after")
+    assert all(e.ok for e in collect(sink, 2, timeout=3.0))
+
+
+def test_paused_p_then_resumed_serves_everything(pair) -> None:
+    """P's side channel stops for 1.5 s (less than timeout_s) with pulls waiting: D reconnects, asks again and every
+    request is served once P answers again; requests after it too."""
+    src, sink = pair
+    gate = threading.Lock()
+    real_drain = src._drain_socket
+
+    def paused_drain() -> None:
+        with gate:
+            real_drain()
+
+    src._drain_socket = paused_drain  # type: ignore[method-assign]
+    for i in range(3):
+        stage(src, f"w{i}", 3000, 2000)
+    gate.acquire()
+    try:
+        for i in range(3):
+            pull(sink, src, f"w{i}")
+        time.sleep(1.5)
+        assert sink.poll() == []  # nothing failed while P was silent
+    finally:
+        gate.release()
+    evs = collect(sink, 6, timeout=5.0)
+    assert all(e.ok for e in evs), [e.error for e in evs]
+    assert sink.stats()["reconnects"] >= 1
+    stage(src, "next", 3000, 2000)
+    pull(sink, src, "next")
+    assert all(e.ok for e in collect(sink, 2, timeout=3.0))
+    wait_for(lambda: src.stats()["requests_live"] == 0)
+
+
+def test_restarted_p_on_the_same_port_is_handshaken_again(fabric: FakeFabric) -> None:
+    """P dies and a new P binds the same port: the first pull after it may fail (its old agent is gone), the
+    next ones succeed without restarting D."""
+    cfg = TransportConfig(**CFG, timeout_s=3.0)
+    src = TransferSource(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "P1"))
+    sink = TransferSink(TransportConfig(**CFG, timeout_s=3.0, resend_s=0.2, reconnect_s=0.8), COMPAT,
+                        nixl=FakeNixlWrapper(fabric, "D"))
+    try:
+        stage(src, "a", 3000, 2000)
+        pull(sink, src, "a")
+        assert all(e.ok for e in collect(sink, 2))
+        port = src.address[1]
+        src.close()
+        src = TransferSource(TransportConfig(**{**CFG, "timeout_s": 3.0, "port": port}), COMPAT,
+                             nixl=FakeNixlWrapper(fabric, "P2"))
+        results = []
+        for i in range(3):
+            stage(src, f"b{i}", 3000, 2000)
+            pull(sink, src, f"b{i}")
+            results.append(all(e.ok for e in collect(sink, 2, timeout=8.0)))
+        assert results[1:] == [True, True], results
+        assert sink.stats()["pulls_live"] == 0
+    finally:
+        sink.close()
+        src.close()
+
+
+def test_rejected_request_fails_at_once_with_p_reason(pair) -> None:
+    """P could not stage a request (pool full): D hears the reason at once, not 'unknown request' at its deadline."""
+    src, sink = pair
+    src.expect("big")
+    t0 = time.monotonic()
+    pull(sink, src, "big")
+    time.sleep(0.3)
+    assert sink.poll() == []  # expected: NotReady while P waits for room
+    src.reject("big", "staging_full", "P's staging pool is full (staging_mb=4)")
+    evs = collect(sink, 2, timeout=2.0)
+    assert time.monotonic() - t0 < 1.5
+    assert all(not e.ok and "staging_full" in e.error and "staging_mb=4" in e.error for e in evs)
+    wait_for(lambda: src.stats()["requests_live"] == 0)
+    assert src.stats()["rejected"] == 1
+
+
+def test_not_ready_retries_back_off(pair) -> None:
+    """A request P has not published yet is asked for at most ~1/retry_max_s times a second, not every retry_s."""
+    src, sink = pair
+    src.expect("slow")
+    pull(sink, src, "slow")
+    time.sleep(1.0)  # the back-off reaches its cap
+    queries = []
+    real = src._answer
+
+    def counting(msg):
+        if isinstance(msg, proto.Query):
+            queries.append(time.monotonic())
+        return real(msg)
+
+    src._answer = counting  # type: ignore[method-assign]
+    time.sleep(1.0)
+    assert 5 <= len(queries) <= 15  # retry_max_s = 0.1 s; retry_s = 0.01 s would give ~100
+    src.alloc("slow", 3000, 2000)
+    src.publish("slow")
+    assert all(e.ok for e in collect(sink, 2, timeout=2.0))
