@@ -14,13 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lynx_connector.logger import init_logger
+from lynx_connector.modes import DEFAULT_MODE, MODE_NAMES, get_mode, is_mode
 
 logger = init_logger(__name__)
-
-#: Two-stream Lynx modes and the single-stream baselines that go through the same connector.
-LYNX_MODES = ("full", "anchor", "speculative")
-BASELINE_MODES = ("bf16", "fp8", "int8", "int4", "int4_kivi")
-MODES = LYNX_MODES + BASELINE_MODES
 
 
 class LynxConfigError(ValueError):
@@ -64,10 +60,9 @@ def _as_int(key: str, value: Any, *, minimum: int, maximum: int | None = None) -
 class LynxConfig:
     """Resolved connector configuration (see docs/OPERATIONS.md for the table of keys)."""
 
-    #: full: decode after anchor+residual merged; anchor: decode on the anchor only (lossy, for comparison);
-    #: speculative: decode on the anchor, verify when the residual lands; bf16/fp8/int8/int4/int4_kivi:
-    #: single-stream baselines through the same connector.
-    mode: str = "full"
+    #: Transfer mode: a row of the modes table in lynx_connector/modes.py ("Transfer modes" in
+    #: docs/OPERATIONS.md); a request may ask for another one with ``lynx_mode``.
+    mode: str = DEFAULT_MODE
     #: Options for the Lynx codec (grouping); passed to ``lynx_connector.codec.get_codec``.
     codec_options: Mapping[str, Any] = field(default_factory=dict)
     #: Emulated link rate for the transport's token bucket, Gbit/s; None = unpaced.
@@ -94,8 +89,8 @@ class LynxConfig:
     fault_injection: str | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise LynxConfigError(f"mode: expected one of {', '.join(MODES)}, got {self.mode!r}")
+        if not is_mode(self.mode):
+            raise LynxConfigError(f"mode: expected one of {', '.join(MODE_NAMES)}, got {self.mode!r}")
         if self.window_bytes < self.chunk_bytes:
             raise LynxConfigError(
                 f"window_bytes ({self.window_bytes}) must be >= chunk_bytes ({self.chunk_bytes})"
@@ -107,11 +102,11 @@ class LynxConfig:
 
     @property
     def two_stream(self) -> bool:
-        return self.mode in LYNX_MODES
+        return get_mode(self.mode).two_stream
 
     @property
     def codec_name(self) -> str:
-        return "lynx" if self.two_stream else self.mode
+        return get_mode(self.mode).codec
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> LynxConfig:

@@ -6,7 +6,8 @@ Pure data and string handling, no vLLM import, so it is unit-testable anywhere. 
 Accepted forms (case-insensitive, surrounding whitespace ignored):
 
 * ``lynx``                      -> LynxConnector, mode ``full``
-* ``lynx:<mode>``               -> LynxConnector with that mode, one of :data:`PRESET_MODES`
+* ``lynx:<mode>``               -> LynxConnector with that mode, any mode of the table in
+                                   ``lynx_connector/modes.py`` (:data:`PRESET_MODES`)
                                    (``speculative`` also gets the Lynx scheduler and a null proposer,
                                    see :func:`speculative_defaults`)
 * JSON whose ``kv_connector`` is one of the names above, e.g. what dotted keys produce::
@@ -29,12 +30,14 @@ import copy
 import json
 from typing import Any
 
+from lynx_connector.modes import DEFAULT_MODE, get_mode, is_mode, preset_modes
+
 PRESET_PREFIX = "lynx"
 CONNECTOR_NAME = "LynxConnector"
 CONNECTOR_MODULE = "lynx_connector.connector"
 
-PRESET_MODES: tuple[str, ...] = ("full", "anchor", "speculative", "bf16", "fp8", "int8", "int4")
-DEFAULT_MODE = "full"
+#: Every transfer mode is a preset (the modes table decides; ``lynx:int4_kivi`` included).
+PRESET_MODES: tuple[str, ...] = preset_modes()
 
 #: What a speculative-mode instance needs besides the connector (lynx_connector/speculative/).
 SPEC_SCHEDULER = "lynx_connector.speculative.scheduler.LynxSpecScheduler"
@@ -128,8 +131,9 @@ def expand_kv_transfer_config(value: str) -> str | None:
 
 
 def speculative_defaults(kv_config: Any) -> dict[str, Any] | None:
-    """Engine settings a decode instance needs for the ``speculative`` mode, or None when ``kv_config`` (a
-    dict or a parsed KVTransferConfig) is not a LynxConnector config in that mode.
+    """Engine settings a decode instance needs for a mode that needs the speculative scheduler (the modes
+    table: ``speculative``), or None when ``kv_config`` (a dict or a parsed KVTransferConfig) is not a
+    LynxConnector config in such a mode.
 
     ``scheduler_cls``: the Lynx scheduler (holds anchor-phase tokens, rewinds and verifies);
     ``speculative_config``: a ``custom_class`` null proposer with ``num_speculative_tokens`` = the speculation
@@ -138,7 +142,10 @@ def speculative_defaults(kv_config: Any) -> dict[str, Any] | None:
     if get("kv_connector") != CONNECTOR_NAME:
         return None
     extra = get("kv_connector_extra_config") or {}
-    if not isinstance(extra, dict) or str(extra.get("mode", DEFAULT_MODE)).strip().lower() != "speculative":
+    if not isinstance(extra, dict):
+        return None
+    mode = str(extra.get("mode", DEFAULT_MODE)).strip().lower()
+    if not is_mode(mode) or not get_mode(mode).needs_spec_scheduler:
         return None
     try:
         cap = int(extra.get("max_speculative_tokens", DEFAULT_MAX_SPECULATIVE_TOKENS))

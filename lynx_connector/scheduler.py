@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Set
 from typing import TYPE_CHECKING, Any
 
-from lynx_connector.config import MODES, LynxConfig
+from lynx_connector.config import LynxConfig
 from lynx_connector.logger import init_logger
 from lynx_connector.metadata import (
     InvalidTransferParams,
@@ -36,6 +36,7 @@ from lynx_connector.metadata import (
     RemotePrefill,
     SaveSpec,
 )
+from lynx_connector.modes import MODE_NAMES, get_mode, is_mode
 from lynx_connector.testing import fault_hooks
 
 if TYPE_CHECKING:
@@ -100,9 +101,9 @@ class LynxConnectorScheduler:
         mode = params.get("lynx_mode")
         if mode is None:
             return self.config.mode
-        if mode not in MODES:
+        if not is_mode(mode):
             logger.warning("Request %s asks for unknown lynx_mode %r (known: %s); using %s",
-                           req_id, mode, ", ".join(MODES), self.config.mode)
+                           req_id, mode, ", ".join(MODE_NAMES), self.config.mode)
             return self.config.mode
         return mode
 
@@ -158,30 +159,35 @@ class LynxConnectorScheduler:
         self._recv_pending.append(spec)
         if num_tokens:
             self._recv_inflight.add(request.request_id)
-            if mode == "speculative":
+            if get_mode(mode).late_residual:
                 self.spec_pending.add(request.request_id)
                 if remote.first_token is not None:
                     self.spec_first_token[request.request_id] = remote.first_token
             self._faults.on_pull(request.request_id, params)
 
     def _decode_mode(self, request: Request, mode: str) -> str:
-        """D's mode for a pull: speculation needs the Lynx scheduler, otherwise the request is served as full.
-        Structured-output requests are served as full too (held tokens would bypass the grammar)."""
-        if mode != "speculative":
+        """D's mode for a pull: speculation needs the Lynx scheduler, otherwise the request is served as its
+        mode's fallback (the modes table: full). Structured-output requests are served as the fallback too (held
+        tokens would bypass the grammar)."""
+        row = get_mode(mode)
+        if not row.needs_spec_scheduler:
             return mode
+        fallback = row.fallback
+        assert fallback is not None  # the table gives every speculative mode one (tests/test_modes.py)
         req_id = request.request_id
         if request.use_structured_output:
-            logger.info("Request %s uses structured output: served as 'full' instead of 'speculative'", req_id)
-            return "full"
+            logger.info("Request %s uses structured output: served as '%s' instead of '%s'", req_id, fallback, mode)
+            return fallback
         if self.speculation_enabled:
             return mode
         if not self._warned_no_spec:
             self._warned_no_spec = True
-            logger.warning("Request %s asks for lynx_mode speculative but this decode instance runs without the "
+            logger.warning("Request %s asks for lynx_mode %s but this decode instance runs without the "
                            "Lynx speculative scheduler (--scheduler-cls %s with a custom_class speculative "
                            "config; the lynx:speculative preset sets both): serving it and the next ones as "
-                           "'full'", req_id, "lynx_connector.speculative.scheduler.LynxSpecScheduler")
-        return "full"
+                           "'%s'", req_id, mode, "lynx_connector.speculative.scheduler.LynxSpecScheduler",
+                           fallback)
+        return fallback
 
     # ---- D: speculative mode ----------------------------------------------------------------------------
     def take_residual_merged(self) -> set[str]:

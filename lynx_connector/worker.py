@@ -33,7 +33,7 @@ from lynx_connector.codec import (
     get_codec,
     merge_residual,
 )
-from lynx_connector.config import LYNX_MODES, LynxConfig
+from lynx_connector.config import LynxConfig
 from lynx_connector.logger import init_logger
 from lynx_connector.metadata import (
     LynxConnectorMetadata,
@@ -42,6 +42,7 @@ from lynx_connector.metadata import (
     RecvSpec,
     SaveSpec,
 )
+from lynx_connector.modes import LYNX_CODEC, get_mode
 from lynx_connector.stats import LynxStats
 from lynx_connector.testing import fault_hooks
 from lynx_connector.transport import TransferSink, TransferSource, TransportConfig
@@ -148,11 +149,12 @@ class LynxConnectorWorker:
         return LynxHandshakeMetadata(host=host, port=port, tp_rank=self.tp_rank)
 
     def _codec(self, mode: str) -> Any:
-        """The codec of a transfer mode: every Lynx mode shares the lynx planes; baselines are their own."""
-        name = "lynx" if mode in LYNX_MODES else mode
+        """The codec of a transfer mode (the modes table): every Lynx mode shares the lynx planes; baselines are
+        their own. ``codec_options`` configure the Lynx codec only."""
+        name = get_mode(mode).codec
         codec = self._codecs.get(name)
         if codec is None:
-            opts = dict(self.config.codec_options) if name == "lynx" else {}
+            opts = dict(self.config.codec_options) if name == LYNX_CODEC else {}
             codec = self._codecs[name] = get_codec(name, **opts)
         return codec
 
@@ -228,7 +230,7 @@ class LynxConnectorWorker:
             logger.debug("request %s: prompt fully in D's prefix cache, nothing pulled", spec.req_id)
             return
         a, r = self._plane_nbytes(spec.mode, spec.num_tokens)
-        if spec.mode == "anchor":
+        if not get_mode(spec.mode).pulls_residual:
             r = 0  # decoding on the anchor alone: the residual is never pulled (P frees it with the rest)
         n_layers = len(self.layers)
         try:
@@ -285,12 +287,11 @@ class LynxConnectorWorker:
                 self._finish_recv(rec, error=f"{ev.stream} stream failed: {ev.error}")
                 continue
             now = time.perf_counter() - rec.t_start
-            mode = rec.spec.mode
-            two_stream = mode in LYNX_MODES
+            mode = get_mode(rec.spec.mode)
             if ev.stream == "anchor":
                 rec.anchor_landed = True
                 self.stats.record_stream("anchor", ev.nbytes, now)
-                if not two_stream or mode in ("anchor", "speculative"):
+                if mode.decodes_on_anchor:
                     self._apply(rec, full=False)
             else:
                 rec.residual_landed = True
@@ -299,8 +300,8 @@ class LynxConnectorWorker:
                 if fault is not None:
                     self._finish_recv(rec, error=fault)
                     continue
-            if rec.anchor_landed and rec.residual_landed and mode in ("full", "speculative"):
-                if mode == "speculative" and self._faults.defer_merge(ev.req_id, rec.anchor_step, self._step):
+            if rec.anchor_landed and rec.residual_landed and mode.pulls_residual:
+                if mode.late_residual and self._faults.defer_merge(ev.req_id, rec.anchor_step, self._step):
                     continue  # test hook: merged in a later step (due_merges)
                 self._apply(rec, full=True)
 
@@ -311,12 +312,12 @@ class LynxConnectorWorker:
             logger.exception("LynxConnector: writing request %s into the KV cache failed", rec.spec.req_id)
             self._finish_recv(rec, error=f"decode failed: {exc}")
             return
-        mode = rec.spec.mode
-        if full and mode == "speculative":
+        mode = get_mode(rec.spec.mode)
+        if full and mode.late_residual:
             self._merged.add(rec.spec.req_id)
         if not full:
             rec.anchor_step = self._step
-        done = full or mode not in ("full", "speculative")
+        done = full or not mode.pulls_residual
         if not rec.reported:
             rec.reported = True
             self._finished_recving.add(rec.spec.req_id)
@@ -348,7 +349,7 @@ class LynxConnectorWorker:
                 # Not reported yet, or the anchor was reported in this same step (not yet seen by the
                 # scheduler): a plain load failure, vLLM's kv_load_failure_policy applies.
                 self._failed_recving.add(req_id)
-            elif rec.spec.mode == "speculative":
+            elif get_mode(rec.spec.mode).late_residual:
                 self._residual_failed.add(req_id)  # running on its anchor: the Lynx scheduler applies the policy
         else:
             self.stats.record_request(time.perf_counter() - rec.t_start)
