@@ -71,6 +71,8 @@ class TransferMode:
     fallback: str | None
     #: What D does, one line (docs, help).
     summary: str
+    #: Short name in tables and plots.
+    label: str
 
     @property
     def pulls_residual(self) -> bool:
@@ -113,34 +115,37 @@ class TransferMode:
         return 8.0 * pulled / (2 * num_tokens * num_heads * head_size)
 
 
-def _lynx(name: str, planes: tuple[str, ...], decode_after: str, summary: str, *,
+def _lynx(name: str, planes: tuple[str, ...], decode_after: str, summary: str, *, label: str,
           first_token_after: str = RELEASE_WITH_KV, prefix_cached: bool = True, needs_spec_scheduler: bool = False,
           fallback: str | None = None) -> TransferMode:
     return TransferMode(name=name, codec=LYNX_CODEC, two_stream=True, planes=planes, decode_after=decode_after,
                         first_token_after=first_token_after, prefix_cached=prefix_cached, lossless=False,
-                        needs_spec_scheduler=needs_spec_scheduler, fallback=fallback, summary=summary)
+                        needs_spec_scheduler=needs_spec_scheduler, fallback=fallback, summary=summary, label=label)
 
 
-def _baseline(codec: str, summary: str, lossless: bool = False) -> TransferMode:
+def _baseline(codec: str, summary: str, lossless: bool = False, label: str | None = None) -> TransferMode:
     return TransferMode(name=codec, codec=codec, two_stream=False, planes=(ANCHOR,), decode_after=AFTER_ANCHOR,
                         first_token_after=RELEASE_WITH_KV, prefix_cached=True, lossless=lossless,
-                        needs_spec_scheduler=False, fallback=None, summary=summary)
+                        needs_spec_scheduler=False, fallback=None, summary=summary, label=label or codec)
 
 
 #: The table, in the order of the docs and help texts: the Lynx modes, then the single-stream baselines.
 MODES: tuple[TransferMode, ...] = (
-    _lynx("full", (ANCHOR, RESIDUAL), AFTER_BOTH, "waits for anchor and residual, merges, decodes"),
+    _lynx("full", (ANCHOR, RESIDUAL), AFTER_BOTH, "waits for anchor and residual, merges, decodes",
+          label="lynx full"),
     _lynx("anchor", (ANCHOR,), AFTER_ANCHOR,
-          "decodes on the anchor alone (lossy, for comparison); the residual is never pulled"),
+          "decodes on the anchor alone (lossy, for comparison); the residual is never pulled", label="lynx anchor"),
     _lynx("speculative", (ANCHOR, RESIDUAL), AFTER_ANCHOR,
           "decodes on the anchor, holds those tokens, verifies them in one pass when the residual lands "
           "(outputs equal full's)",
-          first_token_after=RELEASE_ON_ANCHOR, prefix_cached=False, needs_spec_scheduler=True, fallback="full"),
+          first_token_after=RELEASE_ON_ANCHOR, prefix_cached=False, needs_spec_scheduler=True, fallback="full",
+          label="lynx speculative"),
     _baseline("bf16", "single-stream passthrough of the cache dtype's bytes", lossless=True),
     _baseline("fp8", "single-stream baseline: fp8 e4m3 with a per-(token, head) scale"),
     _baseline("int8", "single-stream baseline: 8-bit per (token, head)"),
     _baseline("int4", "single-stream baseline: 4-bit per (token, head)"),
-    _baseline("int4_kivi", "single-stream baseline: 4-bit, K per channel over 64 tokens, V per token (KIVI)"),
+    _baseline("int4_kivi", "single-stream baseline: 4-bit, K per channel over 64 tokens, V per token (KIVI)",
+              label="int4 KIVI"),
 )
 
 _BY_NAME: dict[str, TransferMode] = {m.name: m for m in MODES}
@@ -168,6 +173,16 @@ def preset_modes() -> tuple[str, ...]:
     """The modes ``--kv-transfer-config lynx:<mode>`` accepts: every mode of the table (``lynx:int4_kivi``
     included, which the hand-written preset list once missed)."""
     return MODE_NAMES
+
+
+def comparison_order() -> tuple[str, ...]:
+    """The modes as the benches and reports compare them: the single-stream baselines (table order), then the
+    Lynx modes from the least D waits for to the most machinery (anchor, full, speculative)."""
+    def key(name: str) -> tuple[bool, bool, bool]:
+        m = _BY_NAME[name]
+        return m.two_stream, m.pulls_residual, m.needs_spec_scheduler
+
+    return tuple(sorted(MODE_NAMES, key=key))  # stable: table order within a group
 
 
 def modes_table() -> str:

@@ -15,17 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from lynx_connector.logger import init_logger
+from lynx_connector.modes import MODE_NAMES, MODES, get_mode
 
 logger = init_logger(__name__)
 
+#: What the demo compares by default: the 16/8/4-bit baselines against Lynx full and speculative.
 DEFAULT_MODES = ("bf16", "int8", "int4", "full", "speculative")
-MODE_LABEL = {"bf16": "bf16 (cache dtype, fp32 here)", "fp8": "fp8", "int8": "int8", "int4": "int4",
-              "int4_kivi": "int4 (KIVI)", "anchor": "lynx anchor only", "full": "lynx full",
-              "speculative": "lynx speculative"}
+MODE_LABEL = {m.name: m.label + (" (cache dtype, fp32 here)" if m.lossless else "") for m in MODES}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated transfer modes")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"comma-separated transfer modes, of {', '.join(MODE_NAMES)}")
     p.add_argument("--lengths", default="2000,3500", help="comma-separated context lengths in tokens")
     p.add_argument("--link-gbps", type=float, default=0.05,
                    help="emulated P->D link rate (the transport's pacing); slow enough that the transfer "
@@ -40,11 +41,8 @@ def wire_bytes(mode: str, num_tokens: int) -> int:
     """Bytes one request's KV costs on the wire in ``mode`` for the demo model (every layer, both planes)."""
     import torch
 
-    from lynx_connector.codec import get_codec
-
-    codec = get_codec("lynx" if mode in ("full", "anchor", "speculative") else mode)
-    a, r = codec.plane_nbytes(num_tokens, 3, 64, torch.float32)  # SmolLM2-135M: 3 KV heads, head_dim 64
-    return 30 * (a if mode == "anchor" else a + r)
+    # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64 (the modes table: the planes D pulls)
+    return 30 * get_mode(mode).wire_nbytes(num_tokens, 3, 64, torch.float32)[1]
 
 
 def _write(line: str = "") -> None:

@@ -1,8 +1,9 @@
 """Generated parts of docs/OPERATIONS.md: the configuration-keys table (from `LynxConfig`'s fields, types, defaults
-and their `#:` comments in lynx_connector/config.py) and the data-flow picture (matplotlib PNG).
+and their `#:` comments in lynx_connector/config.py), the transfer-modes table (lynx_connector/modes.py) and the
+data-flow picture (matplotlib PNG).
 
-    python -m lynx_connector.lab.docgen            # rewrite the table in docs/OPERATIONS.md and the PNG
-    python -m lynx_connector.lab.docgen --check    # exit 1 when the table is stale (what the test does)
+    python -m lynx_connector.lab.docgen            # rewrite the tables in docs/OPERATIONS.md and the PNG
+    python -m lynx_connector.lab.docgen --check    # exit 1 when a table is stale (what the tests do)
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ DOC = ROOT / "docs" / "OPERATIONS.md"
 FIGURE = ROOT / "docs" / "OPERATIONS-dataflow.png"
 CONFIG_PY = ROOT / "lynx_connector" / "config.py"
 BEGIN, END = "<!-- config-table:begin (generated: python -m lynx_connector.lab.docgen) -->", "<!-- config-table:end -->"
+MODES_BEGIN = "<!-- modes-table:begin (generated: python -m lynx_connector.lab.docgen) -->"
+MODES_END = "<!-- modes-table:end -->"
 
 
 def field_comments() -> dict[str, str]:
@@ -64,15 +67,26 @@ def config_table() -> str:
     return "\n".join(rows)
 
 
-def current_table(doc: str) -> str | None:
-    m = re.search(re.escape(BEGIN) + r"\n(.*?)\n?" + re.escape(END), doc, re.S)
+def modes_table() -> str:
+    from lynx_connector.modes import modes_table
+
+    return modes_table()
+
+
+def current_table(doc: str, begin: str = BEGIN, end: str = END) -> str | None:
+    m = re.search(re.escape(begin) + r"\n(.*?)\n?" + re.escape(end), doc, re.S)
     return None if m is None else m.group(1)
 
 
+def _tables() -> list[tuple[str, str, str]]:
+    return [(BEGIN, END, config_table()), (MODES_BEGIN, MODES_END, modes_table())]
+
+
 def write_table() -> bool:
-    doc = DOC.read_text()
-    block = f"{BEGIN}\n{config_table()}\n{END}"
-    new = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _m: block, doc, count=1, flags=re.S)
+    doc = new = DOC.read_text()
+    for begin, end, table in _tables():
+        block = f"{begin}\n{table}\n{end}"
+        new = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _m, b=block: b, new, count=1, flags=re.S)
     if new != doc:
         DOC.write_text(new)
     return new != doc
@@ -129,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args(argv)
     if args.check:
-        ok = current_table(DOC.read_text()) == config_table()
-        sys.stderr.write("" if ok else "docs/OPERATIONS.md config table is stale: python -m lynx_connector.lab.docgen\n")
+        doc = DOC.read_text()
+        ok = all(current_table(doc, begin, end) == table for begin, end, table in _tables())
+        sys.stderr.write("" if ok else "docs/OPERATIONS.md tables are stale: python -m lynx_connector.lab.docgen\n")
         return 0 if ok else 1
     write_table()
     draw_figure()

@@ -34,11 +34,11 @@ from typing import Any
 from lynx_connector.lab.bench import common
 from lynx_connector.lab.bench.report import wilson
 from lynx_connector.logger import init_logger
+from lynx_connector.modes import MODE_NAMES, comparison_order, get_mode
 
 logger = init_logger(__name__)
 
-MODES = ("bf16", "fp8", "int8", "int4", "int4_kivi", "anchor", "full", "speculative")
-TWO_STREAM = ("anchor", "full", "speculative")
+MODES = comparison_order()  # every transfer mode (the modes table)
 ROUND = 2  # requests per P -> D round (2 fp32 prompts of 2k tokens fit P's staging)
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
               "TOKENIZERS_PARALLELISM": "false"}
@@ -186,14 +186,10 @@ def speculative_overrides() -> tuple[dict[str, Any] | None, str]:
 
 # ---- the benchmark --------------------------------------------------------------------------------------------
 def bits_per_value(mode: str, num_tokens: int = 1024, heads: int = 3, head_dim: int = 64) -> float:
+    """Wire bits per value D pulls in ``mode`` (the modes table), fp32 cache."""
     import torch
 
-    from lynx_connector.codec import get_codec
-
-    a, r = get_codec("lynx" if mode in TWO_STREAM else mode).plane_nbytes(num_tokens, heads, head_dim,
-                                                                         torch.float32)
-    nbytes = a if mode == "anchor" else a + r
-    return 8 * nbytes / (2 * num_tokens * heads * head_dim)
+    return get_mode(mode).bits_per_value(num_tokens, heads, head_dim, torch.float32)
 
 
 def run_mode(p: Engine, d: Engine, mode: str, needles: list[Any], windows: list[tuple[list[int], list[int]]],
@@ -286,7 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
-        raise SystemExit(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+        raise SystemExit(f"unknown modes {unknown}; choose from {', '.join(MODE_NAMES)}")
     if "bf16" in modes:  # the reference goes first
         modes.remove("bf16")
         modes.insert(0, "bf16")

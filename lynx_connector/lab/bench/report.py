@@ -18,13 +18,12 @@ from typing import Any
 
 from lynx_connector.lab.bench.common import format_table
 from lynx_connector.logger import init_logger
+from lynx_connector.modes import MODES, comparison_order
 
 logger = init_logger(__name__)
 
-MODE_ORDER = ("bf16", "fp8", "int8", "int4", "int4_kivi", "anchor", "full", "speculative")
-MODE_LABEL = {"bf16": "bf16 (fp32 cache: 32 b/v)", "fp8": "fp8", "int8": "int8", "int4": "int4",
-              "int4_kivi": "int4 KIVI", "anchor": "lynx anchor", "full": "lynx full",
-              "speculative": "lynx speculative"}
+MODE_ORDER = comparison_order()
+MODE_LABEL = {m.name: m.label + (" (fp32 cache: 32 b/v)" if m.lossless else "") for m in MODES}
 
 
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float | None, float | None]:

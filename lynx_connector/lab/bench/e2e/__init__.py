@@ -24,7 +24,6 @@ from lynx_connector.lab.bench.e2e.plan import (
     CACHE_DTYPES,
     MODES,
     TASKS,
-    TWO_STREAM,
     ModelShape,
     Plan,
     build_prompts,
@@ -39,7 +38,7 @@ from lynx_connector.lab.bench.e2e.plan import (
 from lynx_connector.lab.bench.e2e.targets import TARGETS, evaluate_targets, rederive_ideals
 
 __all__ = [
-    "CACHE_DTYPES", "MODES", "TARGETS", "TASKS", "TWO_STREAM", "ModelShape", "Plan", "add_parser", "build_prompts",
+    "CACHE_DTYPES", "MODES", "TARGETS", "TASKS", "ModelShape", "Plan", "add_parser", "build_prompts",
     "choose_rates", "counter_delta", "detect_speculative", "equality_by_row", "evaluate_targets", "ideal_ttfts",
     "kv_config", "main", "mark_output_equality", "measure_prefill", "model_shape", "quantile", "rederive_ideals",
     "ref_bf16_bytes", "run", "run_rate", "scrape_counters", "speculative_serve_args", "start_deployment",

@@ -9,8 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MODES = ("bf16", "fp8", "int8", "int4", "anchor", "full", "speculative")
-TWO_STREAM = ("anchor", "full", "speculative")
+from lynx_connector.modes import comparison_order, get_mode
+
+#: The modes of the default run: all but int4_kivi (int4's bytes on the wire, so int4's TTFT; it would only
+#: lengthen the run).
+MODES = tuple(m for m in comparison_order() if m != "int4_kivi")
 DEFAULT_RATIOS = (0.5, 2.0, 10.0)
 DEFAULT_LENGTHS = (1024,)
 DEFAULT_REPEATS = 2
@@ -51,23 +54,16 @@ def model_shape(model: str) -> ModelShape:
 
 
 def wire_bytes(mode: str, num_tokens: int, shape: ModelShape, cache_dtype: str = "float32") -> tuple[int, int]:
-    """``(bytes needed before the first client-visible token, bytes on the wire)`` for one request.
+    """``(bytes needed before the first client-visible token, bytes on the wire)`` for one request: the modes
+    table's ``wire_nbytes`` for every layer.
 
     anchor: the residual is never pulled. speculative (greedy): the first token is P's, released when D's
     first token on the anchor agrees with it, so it needs the anchor plane only; the later ones wait for the
     residual (verification)."""
     import torch
 
-    from lynx_connector.codec import get_codec
-
-    codec = get_codec("lynx" if mode in TWO_STREAM else mode)
-    a, r = codec.plane_nbytes(num_tokens, shape.kv_heads, shape.head_dim, getattr(torch, cache_dtype))
-    a, r = a * shape.layers, r * shape.layers
-    if mode == "anchor":
-        return a, a
-    if mode == "speculative":
-        return a, a + r
-    return a + r, a + r
+    first, total = get_mode(mode).wire_nbytes(num_tokens, shape.kv_heads, shape.head_dim, getattr(torch, cache_dtype))
+    return first * shape.layers, total * shape.layers
 
 
 def quantile(values: list[float], q: float) -> float | None:
