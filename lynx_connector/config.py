@@ -15,6 +15,7 @@ from typing import Any
 
 from lynx_connector.logger import init_logger
 from lynx_connector.modes import DEFAULT_MODE, MODE_NAMES, get_mode, is_mode
+from lynx_connector.testing import FAULT_INJECTIONS
 
 logger = init_logger(__name__)
 
@@ -95,8 +96,9 @@ class LynxConfig:
             raise LynxConfigError(
                 f"window_bytes ({self.window_bytes}) must be >= chunk_bytes ({self.chunk_bytes})"
             )
-        if self.fault_injection not in (None, "corrupt_residual"):
-            raise LynxConfigError(f"fault_injection: expected 'corrupt_residual' or none, got {self.fault_injection!r}")
+        if self.fault_injection is not None and self.fault_injection not in FAULT_INJECTIONS:
+            raise LynxConfigError(f"fault_injection: expected {' or '.join(map(repr, FAULT_INJECTIONS))} or none, "
+                                  f"got {self.fault_injection!r}")
         if not isinstance(self.codec_options, Mapping):
             raise LynxConfigError(f"codec_options: expected a mapping, got {self.codec_options!r}")
 
