@@ -151,8 +151,22 @@ def speculative_defaults(kv_config: Any) -> dict[str, Any] | None:
         cap = int(extra.get("max_speculative_tokens", DEFAULT_MAX_SPECULATIVE_TOKENS))
     except (TypeError, ValueError):
         cap = DEFAULT_MAX_SPECULATIVE_TOKENS  # the connector reports the bad value itself
-    k = max(1, min(cap, MAX_SPEC_LEN))
+    return speculative_engine_args(max(1, min(cap, MAX_SPEC_LEN)))
+
+
+def speculative_engine_args(k: int = DEFAULT_MAX_SPECULATIVE_TOKENS) -> dict[str, Any]:
+    """The engine arguments of a speculative-mode decode instance with ``k`` verification slots per pass:
+    ``scheduler_cls`` (the Lynx scheduler) and ``speculative_config`` (the null proposer, ``k`` =
+    ``num_speculative_tokens``). The one builder: the plugin's defaults, the benches and the tests use it."""
+    if not 1 <= k <= MAX_SPEC_LEN:
+        raise ValueError(f"num_speculative_tokens must be in 1..{MAX_SPEC_LEN}, got {k}")
     return {
         "scheduler_cls": SPEC_SCHEDULER,
         "speculative_config": {"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": k},
     }
+
+
+def speculative_serve_args(k: int = DEFAULT_MAX_SPECULATIVE_TOKENS) -> list[str]:
+    """:func:`speculative_engine_args` as ``lynx serve`` / ``vllm serve`` flags."""
+    args = speculative_engine_args(k)
+    return ["--scheduler-cls", args["scheduler_cls"], "--speculative-config", json.dumps(args["speculative_config"])]

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-NULL_PROPOSER = "lynx_connector.speculative.proposer.NullProposer"
-
 
 class NullProposer:
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:

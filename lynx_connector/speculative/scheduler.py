@@ -64,7 +64,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-SPEC_SCHEDULER = "lynx_connector.speculative.scheduler.LynxSpecScheduler"
 #: Key of the per-request speculation counters added to the final output's kv_transfer_params.
 SPEC_PARAMS_KEY = "lynx_speculation"
 

@@ -11,28 +11,6 @@ def _core(llm: Any) -> Any:
     return llm.llm_engine.engine_core.engine_core
 
 
-def generate(llm: Any, prompts: list[list[int]], sp_kwargs: dict[str, Any],
-             kv_params: list[dict | None] | None) -> list[dict[str, Any]]:
-    from vllm import SamplingParams
-
-    sps = []
-    for i in range(len(prompts)):
-        kw = dict(sp_kwargs)
-        if kv_params is not None and kv_params[i] is not None:
-            kw["extra_args"] = {"kv_transfer_params": kv_params[i]}
-        sps.append(SamplingParams(**kw))
-    outs = []
-    for out in llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False):
-        c = out.outputs[0]
-        lps = top = None
-        if c.logprobs is not None:
-            lps = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
-            top = [{int(t): x.logprob for t, x in lp.items()} for lp in c.logprobs]
-        outs.append({"token_ids": list(c.token_ids), "text": c.text, "logprobs": lps, "top_logprobs": top,
-                     "finish_reason": c.finish_reason, "kv_transfer_params": out.kv_transfer_params})
-    return outs
-
-
 def _live(pool: Any) -> int | None:
     if pool is None:
         return None

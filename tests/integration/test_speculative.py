@@ -18,8 +18,7 @@ import time
 
 import pytest
 
-from tests.integration.engines import EngineProcess, lynx_kv_config
-from tests.integration.spec_engine import SpecEngine
+from tests.integration.engines import EngineProcess, SpecEngine, lynx_kv_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -48,12 +47,9 @@ def prompts(model):
 
 
 def spec_d_config(**extra):
-    from lynx_connector.speculative.proposer import NULL_PROPOSER
-    from lynx_connector.speculative.scheduler import SPEC_SCHEDULER
+    from lynx_connector.presets import speculative_engine_args
 
-    return dict(scheduler_cls=SPEC_SCHEDULER,
-                speculative_config={"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": K},
-                **extra)
+    return dict(speculative_engine_args(K), **extra)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,14 @@ from typing import Any
 
 import pytest
 
-from lynx_connector.presets import NULL_PROPOSER, SPEC_SCHEDULER, preset_config, speculative_defaults
+from lynx_connector.presets import (
+    NULL_PROPOSER,
+    SPEC_SCHEDULER,
+    preset_config,
+    speculative_defaults,
+    speculative_engine_args,
+    speculative_serve_args,
+)
 
 # An existing local directory: with HF_HUB_OFFLINE=1 vLLM resolves a model id to a path while parsing.
 MODEL_DIR = str(Path(__file__).resolve().parent)
@@ -42,6 +49,24 @@ def test_defaults_only_for_speculative_lynx() -> None:
     cfg = preset_config("speculative")
     cfg["kv_connector_extra_config"]["max_speculative_tokens"] = 500
     assert speculative_defaults(cfg)["speculative_config"]["num_speculative_tokens"] == 128  # vLLM's limit
+
+
+def test_one_builder_in_both_forms(serve_parser: argparse.ArgumentParser) -> None:
+    """speculative_engine_args(k) is what the defaults, the benches and the tests start D with; its serve-flag
+    form parses into the same engine arguments; the dotted paths name the real classes."""
+    import importlib
+
+    assert speculative_defaults(preset_config("speculative")) == speculative_engine_args()
+    args = speculative_engine_args(8)
+    assert args["speculative_config"]["num_speculative_tokens"] == 8
+    ea = _engine_args(serve_parser, *speculative_serve_args(8))
+    assert (ea.scheduler_cls, ea.speculative_config) == (args["scheduler_cls"], args["speculative_config"])
+    for dotted, name in ((SPEC_SCHEDULER, "LynxSpecScheduler"), (NULL_PROPOSER, "NullProposer")):
+        mod, cls = dotted.rsplit(".", 1)
+        assert cls == name and getattr(importlib.import_module(mod), cls).__name__ == name
+    for bad in (0, 129):
+        with pytest.raises(ValueError):
+            speculative_engine_args(bad)
 
 
 def test_preset_sets_scheduler_and_proposer(serve_parser: argparse.ArgumentParser) -> None:

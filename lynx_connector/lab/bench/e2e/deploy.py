@@ -4,11 +4,11 @@ way to start 1P1D), D with the speculative scheduler when this checkout has it, 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import NamedTuple
 
+from lynx_connector import presets
 from lynx_connector.lab.bench.e2e.measure import write
 from lynx_connector.lab.bench.e2e.plan import Plan, kv_config
 from lynx_connector.lab.launch import Deployment
@@ -16,22 +16,22 @@ from lynx_connector.logger import init_logger
 
 logger = init_logger(__name__)
 
+#: D's verification slots per pass: the speculation cap, so all held tokens are verified in one pass.
+SPEC_K = presets.DEFAULT_MAX_SPECULATIVE_TOKENS
 #: D's restart (a new link rate) may take this long on a busy machine.
 RESTART_TIMEOUT_S = 600.0
 
 
 def speculative_serve_args() -> tuple[list[str], str]:
-    """D's extra ``lynx serve`` arguments for the speculative mode (scheduler + null proposer), when the
-    checkout has ``lynx_connector.speculative``."""
+    """D's extra ``lynx serve`` arguments for the speculative mode (scheduler + null proposer, ``SPEC_K``
+    verification slots), when the checkout has ``lynx_connector.speculative``."""
     try:
-        from lynx_connector.speculative.proposer import NULL_PROPOSER
-        from lynx_connector.speculative.scheduler import SPEC_SCHEDULER
+        import lynx_connector.speculative.proposer  # noqa: F401
+        import lynx_connector.speculative.scheduler  # noqa: F401
     except ImportError as exc:
         return [], f"lynx_connector.speculative is not usable here ({exc})"
-    k = 64
-    return (["--scheduler-cls", SPEC_SCHEDULER, "--speculative-config",
-             json.dumps({"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": k})],
-            f"D runs {SPEC_SCHEDULER} with {k} verification slots")
+    return (presets.speculative_serve_args(SPEC_K),
+            f"D runs {presets.SPEC_SCHEDULER} with {SPEC_K} verification slots")
 
 
 class Started(NamedTuple):
