@@ -3,14 +3,22 @@
 # Ctrl-C, SIGTERM or any failure (trap). KEEP=1 keeps the deployment up until Ctrl-C.
 #
 #   examples/1p1d/run_1p1d.sh                       # the prepared SmolLM2 model (lynx prepare-model), mode full
-#   MODEL=Qwen/Qwen2.5-7B-Instruct MODE=lynx:speculative KEEP=1 examples/1p1d/run_1p1d.sh
+#   MODEL=Qwen/Qwen2.5-7B-Instruct MODE=lynx:speculative EXTRA_SERVE_ARGS="--dtype bfloat16" HF_HUB_OFFLINE=0 \
+#     KEEP=1 examples/1p1d/run_1p1d.sh               # on a GPU
 #
-# Separate hosts: run the `lynx serve` lines below on each host with P_HOST = the prefill host's address on
-# the network D reaches it by (its side channel binds and is advertised there), and point the proxy at both
-# (docs/OPERATIONS.md). Settings (environment):
+# The servers get exactly the arguments and environment of the Python launcher (lynx_connector.lab.launch,
+# which the demo, the benches and the server tests use): its CPU defaults (fp32, eager, block size 32,
+# VLLM_CPU_KVCACHE_SPACE=1, HF_HUB_OFFLINE=1, half of the cores each), printed by
+# `python -m lynx_connector.lab.launch MODEL --shell prefill|decode --port ...`; EXTRA_SERVE_ARGS override
+# them, variables already set in the environment win over its environment.
+#
+# Separate hosts: run the `lynx serve` commands this script prints (in LOG_DIR/*.log) on each host with P_HOST =
+# the prefill host's address on the network D reaches it by (its side channel binds and is advertised there),
+# and point the proxy at both (docs/OPERATIONS.md). Settings (environment):
 #   MODEL, MODE (lynx | lynx:<mode>), P_PORT, D_PORT, PROXY_PORT, SIDE_PORT (P's side channel, 0 = random),
 #   P_HOST (side channel bind/advertise address, default 127.0.0.1), P_CPUS / D_CPUS (taskset CPU lists,
-#   e.g. 0-7 / 8-15), LOG_DIR, STARTUP_TIMEOUT (s), KEEP, LYNX (the lynx command), PYTHON.
+#   e.g. 0-7 / 8-15, also the servers' VLLM_CPU_OMP_THREADS_BIND), MAX_MODEL_LEN, EXTRA_SERVE_ARGS (one string),
+#   LOG_DIR, STARTUP_TIMEOUT (s), KEEP, LYNX (the lynx command), PYTHON.
 set -euo pipefail
 
 LYNX=${LYNX:-lynx}
@@ -24,11 +32,12 @@ P_HOST=${P_HOST:-127.0.0.1}
 LOG_DIR=${LOG_DIR:-./lynx-1p1d-logs}
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-600}
 KEEP=${KEEP:-0}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}
+EXTRA_SERVE_ARGS=${EXTRA_SERVE_ARGS:-}
 if [[ -z "${MODEL:-}" ]]; then
   MODEL=$("$PYTHON" -c 'from lynx_connector.lab.models import model_dir; print(model_dir())')
 fi
 mkdir -p "$LOG_DIR"
-export PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false
 
 PIDS=()
 cleanup() {
@@ -53,7 +62,8 @@ start() {  # start NAME CPUS CMD...: own session/process group, log to LOG_DIR/N
   local name=$1 cpus=$2; shift 2
   local pin=()
   [[ -n "$cpus" ]] && pin=(taskset -c "$cpus")
-  setsid "${pin[@]}" "$@" >"$LOG_DIR/$name.log" 2>&1 < /dev/null &
+  { printf '[1p1d]'; printf ' %q' "${pin[@]}" "$@"; echo; } >"$LOG_DIR/$name.log"   # the exact command
+  setsid "${pin[@]}" "$@" >>"$LOG_DIR/$name.log" 2>&1 < /dev/null &
   PIDS+=("$!")
   echo "[1p1d] $name pid $! (log $LOG_DIR/$name.log)"
 }
@@ -74,12 +84,24 @@ kv_config() {  # the preset plus where P's side channel binds (and what it adver
     "$MODE" "$P_HOST" "$1"
 }
 
-SERVE_ARGS=(--max-model-len 4096 --seed 0)
-start prefill "${P_CPUS:-}" "$LYNX" serve "$MODEL" --host 127.0.0.1 --port "$P_PORT" "${SERVE_ARGS[@]}" \
-  --kv-transfer-config "$(kv_config "$SIDE_PORT")"
+serve() {  # serve NAME PORT CPUS KV_CONFIG: the launcher's environment and `lynx serve` arguments for it
+  local name=$1 port=$2 cpus=$3 assignments
+  assignments=$("$PYTHON" -m lynx_connector.lab.launch "$MODEL" --shell "$name" --port "$port" \
+    --host 127.0.0.1 ${cpus:+--cpus "$cpus"} --max-model-len "$MAX_MODEL_LEN" --serve-args "$EXTRA_SERVE_ARGS" \
+    --kv-transfer-config "$4")
+  local ENV ARGS
+  eval "$assignments"
+  local env_set=() kv key
+  for kv in "${ENV[@]}"; do  # what the caller's environment already sets wins
+    key=${kv%%=*}
+    [[ -n "${!key+x}" ]] || env_set+=("$kv")
+  done
+  start "$name" "$cpus" env "${env_set[@]}" "$LYNX" "${ARGS[@]}"
+}
+
+serve prefill "$P_PORT" "${P_CPUS:-}" "$(kv_config "$SIDE_PORT")"
 P_PID=${PIDS[-1]}
-start decode "${D_CPUS:-}" "$LYNX" serve "$MODEL" --host 127.0.0.1 --port "$D_PORT" "${SERVE_ARGS[@]}" \
-  --kv-transfer-config "$(kv_config 0)"
+serve decode "$D_PORT" "${D_CPUS:-}" "$(kv_config 0)"
 D_PID=${PIDS[-1]}
 wait_healthy prefill "http://127.0.0.1:$P_PORT" "$P_PID"
 wait_healthy decode "http://127.0.0.1:$D_PORT" "$D_PID"

@@ -22,6 +22,7 @@ import atexit
 import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -125,12 +126,22 @@ class Server:
         self._log.close()
 
 
-def serve_argv(model: str, port: int, kv_transfer_config: str, *, max_model_len: int = 4096,
+def serve_args(model: str, port: int, kv_transfer_config: str, *, max_model_len: int = 4096,
                extra: list[str] | None = None, host: str = "127.0.0.1") -> list[str]:
-    return [sys.executable, "-m", "lynx_connector.cli", "serve", model, "--host", host, "--port", str(port),
+    """The ``lynx serve`` arguments of a P or D server (after ``lynx``): the CPU defaults (fp32, eager, block
+    size 32, no prefix caching), then ``extra`` (later values override them, e.g. ``--dtype bfloat16`` on a
+    GPU). The one builder: ``Deployment`` and examples/1p1d/run_1p1d.sh (``--shell``) both use it."""
+    return ["serve", model, "--host", host, "--port", str(port),
             "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len), "--block-size", "32",
             "--max-num-seqs", "8", "--max-num-batched-tokens", str(max_model_len), "--seed", "0",
             "--no-enable-prefix-caching", "--kv-transfer-config", kv_transfer_config, *(extra or [])]
+
+
+def serve_argv(model: str, port: int, kv_transfer_config: str, *, max_model_len: int = 4096,
+               extra: list[str] | None = None, host: str = "127.0.0.1") -> list[str]:
+    """:func:`serve_args` run by this interpreter (``python -m lynx_connector.cli``)."""
+    return [sys.executable, "-m", "lynx_connector.cli",
+            *serve_args(model, port, kv_transfer_config, max_model_len=max_model_len, extra=extra, host=host)]
 
 
 SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -146,6 +157,12 @@ def cpu_binding(role: str) -> dict[str, str]:
     if role == "prefill":
         return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{n // 2 - 1}" if n >= 4 else "0"}
     return {"VLLM_CPU_OMP_THREADS_BIND": f"{n // 2}-{n - 1}" if n >= 4 else "1"}
+
+
+def server_env(role: str, cpus: str | None = None) -> dict[str, str]:
+    """Environment of a P (``prefill``) or D (``decode``) server: ``SERVER_ENV`` and its cores
+    (``cpus`` when given, else :func:`cpu_binding`)."""
+    return {**SERVER_ENV, **({"VLLM_CPU_OMP_THREADS_BIND": cpus} if cpus else cpu_binding(role))}
 
 
 #: Fixed ports in netns mode (each server has its namespace to itself).
@@ -239,9 +256,9 @@ class Deployment:
         p_port, d_port, x_port = free_port(), free_port(), free_port()
         env = dict(SERVER_ENV)
         self.prefill = Server("prefill", self._serve_argv("prefill", p_port, kv_cfg), p_port,
-                              self.log_dir / "prefill.log", env={**env, **cpu_binding("prefill")})
+                              self.log_dir / "prefill.log", env=server_env("prefill"))
         self.decode = Server("decode", self._serve_argv("decode", d_port, kv_cfg), d_port,
-                             self.log_dir / "decode.log", env={**env, **cpu_binding("decode")})
+                             self.log_dir / "decode.log", env=server_env("decode"))
         self.proxy = Server("proxy", [sys.executable, "-m", "lynx_connector.cli", "proxy", "--host", "127.0.0.1",
                                       "--port", str(x_port), "--prefill", self.prefill.url,
                                       "--decode", self.decode.url],
@@ -267,7 +284,7 @@ class Deployment:
             kv_peer = "d" if role == "p" else "p"
             kv_addr = plan.addr(role, kv_peer)  # side channel: bind and advertise on the P-D link
             host, port = plan.addr(role, peer), NETNS_PORTS[name]
-            env = {**SERVER_ENV, **cpu_binding(name), "UCX_TLS": "tcp", "UCX_NET_DEVICES": plan.dev(role, kv_peer),
+            env = {**server_env(name), "UCX_TLS": "tcp", "UCX_NET_DEVICES": plan.dev(role, kv_peer),
                    "VLLM_HOST_IP": kv_addr}
             servers[name] = Server(name, self._serve_argv(name, port, kv_cfg), port, self.log_dir / f"{name}.log",
                                    env=env, host=host)
@@ -368,8 +385,19 @@ def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def shell_assignments(role: str, model: str, port: int, kv_transfer_config: str, *, host: str = "127.0.0.1",
+                      cpus: str | None = None, max_model_len: int = 4096, extra: list[str] | None = None) -> str:
+    """Bash for one server of a script-driven deployment: ``ENV=(K=V ...)`` (:func:`server_env`) and
+    ``ARGS=(serve MODEL ...)`` (:func:`serve_args`), shell-quoted, to ``eval`` (examples/1p1d/run_1p1d.sh)."""
+    env = [f"{k}={v}" for k, v in server_env(role, cpus).items()]
+    args = serve_args(model, port, kv_transfer_config, max_model_len=max_model_len, extra=extra, host=host)
+    return (f"ENV=({' '.join(shlex.quote(e) for e in env)})\n"
+            f"ARGS=({' '.join(shlex.quote(a) for a in args)})\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Start a deployment and keep it up until Ctrl-C / SIGTERM (then tear everything down)."""
+    """Start a deployment and keep it up until Ctrl-C / SIGTERM (then tear everything down); with ``--shell
+    ROLE``, print that server's environment and ``lynx`` arguments for a script instead."""
     ap = argparse.ArgumentParser(prog="python -m lynx_connector.lab.launch", description=__doc__.split("\n")[0])
     ap.add_argument("model")
     ap.add_argument("--log-dir", default="lynx-logs")
@@ -377,9 +405,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--netns", action="store_true", help="P, D and the proxy in their own network namespaces")
     ap.add_argument("--link-mbit", type=float, default=None, help="tc tbf rate on the P-D veth (netns only)")
     ap.add_argument("--startup-timeout", type=float, default=420.0)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--serve-args", default="", help="extra `lynx serve` arguments for P and D, one string "
+                    "(later values override the CPU defaults, e.g. '--dtype bfloat16')")
+    ap.add_argument("--shell", choices=("prefill", "decode"), default=None,
+                    help="print bash ENV=(...) and ARGS=(...) of that server (with --port, --host, --cpus) and exit")
+    ap.add_argument("--port", type=int, default=None, help="with --shell: the server's port")
+    ap.add_argument("--host", default="127.0.0.1", help="with --shell: the address the server listens on")
+    ap.add_argument("--cpus", default=None, help="with --shell: its VLLM_CPU_OMP_THREADS_BIND (default: half "
+                    "of the cores each)")
     args = ap.parse_args(argv)
+    extra = shlex.split(args.serve_args)
+    if args.shell is not None:
+        if args.port is None:
+            ap.error("--shell needs --port")
+        sys.stdout.write(shell_assignments(args.shell, args.model, args.port, args.kv_transfer_config,
+                                           host=args.host, cpus=args.cpus, max_model_len=args.max_model_len,
+                                           extra=extra))
+        return 0
     dep = Deployment(args.model, Path(args.log_dir), kv_transfer_config=args.kv_transfer_config,
-                     startup_timeout=args.startup_timeout, netns=args.netns, link_mbit=args.link_mbit)
+                     startup_timeout=args.startup_timeout, netns=args.netns, link_mbit=args.link_mbit,
+                     max_model_len=args.max_model_len, extra_serve_args=extra)
     try:
         with dep:
             where = f" (inside: ip netns exec {dep.proxy.netns} ...)" if args.netns else ""

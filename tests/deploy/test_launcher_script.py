@@ -109,3 +109,30 @@ def test_server_dying_at_startup_fails_fast_and_cleans_up(tmp_path: Path) -> Non
     assert res.returncode == 1 and "prefill exited" in res.stdout, res.stdout + res.stderr
     assert time.monotonic() - t0 < 20
     _assert_all_gone(_all_pids(tmp_path))
+
+
+def test_servers_get_the_launchers_arguments_and_environment(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """One builder: the script starts P and D with lynx_connector.lab.launch's serve_args and server_env
+    (CPU defaults: block size 32, VLLM_CPU_KVCACHE_SPACE) that the demo and the benches use."""
+    import shlex
+
+    from lynx_connector.lab.launch import serve_args, server_env
+
+    env = _setup(tmp_path, P_CPUS="0", EXTRA_SERVE_ARGS="--max-num-seqs 4")
+    for key in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "HF_HUB_OFFLINE"):
+        env.pop(key, None)
+        monkeypatch.delenv(key, raising=False)  # server_env() below reads this process's environment
+    res = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=90)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for role, port, cpus in (("prefill", env["P_PORT"], "0"), ("decode", env["D_PORT"], None)):
+        cmd = shlex.split((tmp_path / "logs" / f"{role}.log").read_text().splitlines()[0])[1:]
+        if cpus:
+            assert cmd[:3] == ["taskset", "-c", cpus]
+            cmd = cmd[3:]
+        at = cmd.index(env["LYNX"])
+        assert cmd[0] == "env" and dict(a.split("=", 1) for a in cmd[1:at]) == server_env(role, cpus)
+        args = cmd[at + 1:]
+        kv = args[args.index("--kv-transfer-config") + 1]
+        assert args == serve_args("stub-model", int(port), kv, extra=["--max-num-seqs", "4"])
+        assert args[args.index("--block-size") + 1] == "32"
