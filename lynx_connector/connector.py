@@ -117,7 +117,8 @@ class LynxConnector(KVConnectorBase_V1):
         worker = self._worker()
         worker.poll()
         done, failed = worker.take_results()
-        return KVConnectorTransferResults(finished_sending=set(), finished_recving=done, failed_recving=failed)
+        return KVConnectorTransferResults(finished_sending=worker.finished_sending(finished_req_ids),
+                                          finished_recving=done, failed_recving=failed)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker().take_worker_meta()

@@ -9,6 +9,11 @@ Per request (``/v1/completions`` and ``/v1/chat/completions``, streaming or not)
 3. send the original request to a decode server (round-robin) with those params, and return D's
    response unchanged (SSE bytes passed through as they arrive).
 
+Admission (``lynx_connector/admission.py``): at most ``--max-inflight`` requests per server, the least-loaded
+server first; a request waits for a decode slot, then a prefill slot, in a FIFO queue of at most
+``--max-queued`` for at most ``--queue-timeout`` s, and is answered 503 naming the limit when it cannot get one.
+``/lynx/stats`` shows the slots in use and the queue.
+
 ``/health`` checks every P and D ``/health``; ``/v1/models`` is passed through to a D. Errors are OpenAI
 style JSON ``{"error": {"message", "type", "code"}}`` naming the side that failed: 503 when a server is
 unreachable, 504 on a timeout, 502 when it misbehaves (5xx, no ``kv_transfer_params``); 4xx answers
@@ -23,12 +28,13 @@ import copy
 import itertools
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from lynx_connector.admission import Overloaded, ServerSlots
 from lynx_connector.logger import init_logger
 
 logger = init_logger(__name__)
@@ -61,10 +67,15 @@ class ProxyConfig:
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 600.0  # longest silence tolerated from an upstream server
     health_timeout_s: float = 5.0
+    max_inflight: int = 16  # per server
+    max_queued: int = 256  # requests waiting for a slot, all servers of a role together
+    queue_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
             raise ValueError("the proxy needs at least one --prefill and one --decode URL")
+        if self.max_inflight < 1 or self.max_queued < 0 or not self.queue_timeout_s > 0:
+            raise ValueError("--max-inflight must be >= 1, --max-queued >= 0 and --queue-timeout > 0")
         self.prefill = [normalize_url(u) for u in self.prefill]
         self.decode = [normalize_url(u) for u in self.decode]
 
@@ -90,13 +101,16 @@ def error_response(status: int, message: str, err_type: str) -> web.Response:
 @dataclass
 class _State:
     config: ProxyConfig
-    prefill_rr: itertools.cycle = field(init=False)
-    decode_rr: itertools.cycle = field(init=False)
+    prefill_slots: ServerSlots = field(init=False)
+    decode_slots: ServerSlots = field(init=False)
+    models_rr: itertools.cycle = field(init=False)
     session: aiohttp.ClientSession | None = None
 
     def __post_init__(self) -> None:
-        self.prefill_rr = itertools.cycle(self.config.prefill)
-        self.decode_rr = itertools.cycle(self.config.decode)
+        c = self.config
+        self.prefill_slots = ServerSlots("prefill", c.prefill, c.max_inflight, c.max_queued, c.queue_timeout_s)
+        self.decode_slots = ServerSlots("decode", c.decode, c.max_inflight, c.max_queued, c.queue_timeout_s)
+        self.models_rr = itertools.cycle(c.decode)
 
 
 STATE_KEY: web.AppKey[_State] = web.AppKey("lynx_proxy_state", _State)
@@ -143,9 +157,8 @@ async def _upstream_status_error(side: str, url: str, resp: aiohttp.ClientRespon
     return UpstreamError(502, f"{side} server {url} returned HTTP {resp.status}: {text}", f"{side}_error")
 
 
-async def _prefill(state: _State, request: web.Request, body: dict[str, Any], chat: bool,
+async def _prefill(state: _State, url: str, request: web.Request, body: dict[str, Any], chat: bool,
                    path: str, request_id: str) -> dict[str, Any]:
-    url = next(state.prefill_rr)
     assert state.session is not None
     try:
         async with state.session.post(url + path, json=build_prefill_request(body, chat),
@@ -171,9 +184,8 @@ async def _prefill(state: _State, request: web.Request, body: dict[str, Any], ch
     return params
 
 
-async def _decode(state: _State, request: web.Request, body: dict[str, Any], path: str,
+async def _decode(state: _State, url: str, request: web.Request, body: dict[str, Any], path: str,
                   request_id: str) -> web.StreamResponse:
-    url = next(state.decode_rr)
     assert state.session is not None
     try:
         resp = await state.session.post(url + path, json=body,
@@ -219,10 +231,16 @@ async def _handle_generate(request: web.Request, chat: bool) -> web.StreamRespon
     path = request.path
     request_id = request.headers.get("X-Request-Id") or f"lynx-{uuid.uuid4().hex}"
     try:
-        params = await _prefill(state, request, body, chat, path, request_id)
-        d_body = copy.deepcopy(body)
-        d_body["kv_transfer_params"] = params
-        return await _decode(state, request, d_body, path, request_id)
+        # D's slot first: decode capacity is what P's staged KV waits for, so P only prefills for a ready D
+        async with state.decode_slots.slot() as d_url:
+            async with state.prefill_slots.slot() as p_url:
+                params = await _prefill(state, p_url, request, body, chat, path, request_id)
+            d_body = copy.deepcopy(body)
+            d_body["kv_transfer_params"] = params
+            return await _decode(state, d_url, request, d_body, path, request_id)
+    except Overloaded as e:
+        logger.warning("request %s refused: %s", request_id, e)
+        return error_response(503, str(e), "server_overloaded")
     except UpstreamError as e:
         logger.warning("request %s failed: %s", request_id, e.message)
         return e.response()
@@ -265,7 +283,7 @@ async def handle_health(request: web.Request) -> web.Response:
 async def handle_models(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     assert state.session is not None
-    url = next(state.decode_rr)
+    url = next(state.models_rr)
     try:
         async with state.session.get(url + "/v1/models", headers=_forward_headers(request, "models")) as resp:
             payload = await resp.read()
@@ -273,6 +291,14 @@ async def handle_models(request: web.Request) -> web.StreamResponse:
                                 headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
     except (TimeoutError, aiohttp.ClientError) as e:
         return _side_error("decode", url, e).response()
+
+
+async def handle_stats(request: web.Request) -> web.Response:
+    """Admission state: slots in use per server, requests queued, admitted and refused so far."""
+    state = request.app[STATE_KEY]
+    return web.json_response({"max_inflight": state.config.max_inflight, "max_queued": state.config.max_queued,
+                              "prefill": asdict(state.prefill_slots.stats()),
+                              "decode": asdict(state.decode_slots.stats())})
 
 
 def create_app(config: ProxyConfig) -> web.Application:
@@ -296,6 +322,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/lynx/stats", handle_stats)
     return app
 
 
@@ -312,12 +339,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest silence (seconds) tolerated from a P or D server")
     parser.add_argument("--health-timeout", type=float, default=5.0,
                         help="seconds for each server's /health during the proxy's /health")
+    parser.add_argument("--max-inflight", type=int, default=ProxyConfig.max_inflight,
+                        help="requests in flight per P or D server; more wait in the proxy's queue")
+    parser.add_argument("--max-queued", type=int, default=ProxyConfig.max_queued,
+                        help="requests waiting for a slot before new ones are refused with 503")
+    parser.add_argument("--queue-timeout", type=float, default=ProxyConfig.queue_timeout_s,
+                        help="seconds a request may wait for a slot before it is refused with 503")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
                        connect_timeout_s=args.connect_timeout, read_timeout_s=args.read_timeout,
-                       health_timeout_s=args.health_timeout)
+                       health_timeout_s=args.health_timeout, max_inflight=args.max_inflight,
+                       max_queued=args.max_queued, queue_timeout_s=args.queue_timeout)
 
 
 def run(args: argparse.Namespace) -> int:

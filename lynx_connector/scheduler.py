@@ -275,14 +275,16 @@ class LynxConnectorScheduler:
             if finished_ok:
                 logger.warning("Request %s finished before its prompt was encoded; D will compute it", req_id)
             return False, None
+        # A saved request keeps its blocks until the worker reports it in finished_sending: it is staged, given
+        # up or aborted there (saving.py), so the worker may still wait for staging room with the KV in place.
         if not finished_ok:
             self._save_aborted.append(req_id)
-            return False, None
+            return True, None
         if not self._side_channel_ports:
             logger.error("LynxConnector: no side channel registered by the workers; cannot serve request %s",
                          req_id)
             self._save_aborted.append(req_id)
-            return False, None
+            return True, None
         remote = RemotePrefill(
             engine_id=self.engine_id,
             request_id=req_id,
@@ -292,7 +294,7 @@ class LynxConnectorScheduler:
             mode=mode,
             first_token=request.output_token_ids[0] if request.num_output_tokens else None,
         )
-        return False, remote.to_params()
+        return True, remote.to_params()
 
 
 class SpeculationPort:

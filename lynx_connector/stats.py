@@ -12,7 +12,7 @@ _LIST_KEYS = ("anchor_bytes", "anchor_s", "residual_bytes", "residual_s", "reque
               "encode_anchor_bytes", "encode_residual_bytes", "encode_s",
               "spec_drafted", "spec_accepted", "spec_early", "spec_stop_low_margin",
               "spec_stop_first_token_mismatch")
-_COUNT_KEYS = ("failed_load", "failed_stage", "failed_nonfinite")
+_COUNT_KEYS = ("failed_load", "failed_stage", "failed_nonfinite", "failed_encode")
 
 
 def _empty() -> dict[str, Any]:
@@ -89,7 +89,7 @@ class LynxStats(KVConnectorStats):
             "Avg time to residual (ms)": avg_ms("residual_s"),
             "Num encodes": len(d["encode_s"]),
             "Avg encode (ms)": avg_ms("encode_s"),
-            "Num failed": d["failed_load"] + d["failed_stage"] + d["failed_nonfinite"],
+            "Num failed": sum(d[k] for k in _COUNT_KEYS),
         }
         if d["spec_drafted"]:
             drafted, accepted = sum(d["spec_drafted"]), sum(d["spec_accepted"])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,9 +44,10 @@ from lynx_connector.metadata import (
     SaveSpec,
 )
 from lynx_connector.modes import LYNX_CODEC, get_mode
+from lynx_connector.saving import SaveQueue
 from lynx_connector.stats import LynxStats
 from lynx_connector.testing import fault_hooks
-from lynx_connector.transport import TransferSink, TransferSource, TransportConfig
+from lynx_connector.transport import StagingFullError, TransferSink, TransferSource, TransportConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -79,10 +81,13 @@ class LynxConnectorWorker:
         self.layers: list[tuple[str, torch.Tensor]] = []
         self.layout: KVLayout | None = None
         self.source: TransferSource | None = None
+        self.saves: SaveQueue | None = None
         self.sink: TransferSink | None = None
         self.stats = LynxStats()
         self._recvs: dict[str, _Recv] = {}
         self._finished_recving: set[str] = set()
+        # D: pulls waiting for room in D's staging pool, in arrival order: req_id -> (spec, hooks, deadline)
+        self._recv_waiting: OrderedDict[str, tuple[RecvSpec, dict[str, Any], float]] = OrderedDict()
         self._failed_recving: set[str] = set()
         self._merged: set[str] = set()
         self._residual_failed: set[str] = set()
@@ -135,6 +140,9 @@ class LynxConnectorWorker:
         name = f"lynx-{self.engine_id}-tp{self.tp_rank}"
         if self.is_producer:
             self.source = TransferSource(tcfg, compat, name=name + "-src")
+            # P gives up on a request that found no room before D's own deadline would
+            self.saves = SaveQueue(self.source, self._encode_request, wait_s=self.config.timeout_s / 2,
+                                   on_reject=self.stats.record_failure)
         if self.is_consumer:
             self.sink = TransferSink(tcfg, compat, name=name + "-dst")
         logger.info("LynxConnector worker ready: %d layers, layout %s, mode %s, role %s, side channel %s",
@@ -171,23 +179,22 @@ class LynxConnectorWorker:
                 logger.error("LynxConnector: %d requests to save but this worker is not a producer (kv_role)",
                              len(meta.reqs_to_save))
             return
+        assert self.saves is not None
         for req_id in meta.save_aborted:
-            self.source.abort(req_id)
+            self.saves.abort(req_id)
+        self.saves.retry()  # room freed since the last step goes to the requests already waiting, in order
         for spec in meta.reqs_to_save:
-            self._encode_request(spec)
+            self.saves.submit(spec)
 
     def _encode_request(self, spec: SaveSpec) -> None:
+        """Stage, encode and publish one request; `StagingFullError` when the pool has no room (the save queue
+        then waits for room); any other failure rejects the request, so D hears why at once."""
         assert self.source is not None and self.layout is not None
         t0 = time.perf_counter()
         a, r = self._plane_nbytes(spec.mode, spec.num_tokens)
         codec = self._codec(spec.mode)
         n_layers = len(self.layers)
-        try:
-            staged = self.source.alloc(spec.req_id, a * n_layers, r * n_layers)
-        except Exception as exc:  # staging full: D's pull then fails and kv_load_failure_policy applies
-            logger.error("LynxConnector: cannot stage request %s (%d tokens): %s", spec.req_id, spec.num_tokens, exc)
-            self.stats.record_failure("stage")
-            return
+        staged = self.source.alloc(spec.req_id, a * n_layers, r * n_layers)
         try:
             for i, (name, kv) in enumerate(self.layers):
                 encode(codec, kv, spec.block_ids, self.layout, spec.num_tokens,
@@ -195,14 +202,23 @@ class LynxConnectorWorker:
                        layer_name=name)
         except NonFiniteKVError as exc:
             logger.error("LynxConnector: request %s not sent: %s", spec.req_id, exc)
-            self.source.abort(spec.req_id)
+            self.source.reject(spec.req_id, "nonfinite_kv", f"P's KV of the request is not finite: {exc}")
             self.stats.record_failure("nonfinite")
             return
-        except Exception:
-            self.source.abort(spec.req_id)
-            raise
+        except Exception as exc:  # a bug or bad input must fail this request, not P's engine
+            logger.exception("LynxConnector: encoding request %s failed", spec.req_id)
+            self.source.reject(spec.req_id, "encode_failed", f"P could not encode the request: {exc}")
+            self.stats.record_failure("encode")
+            return
         self.source.publish(spec.req_id)
         self.stats.record_encode(a * n_layers, r * n_layers, time.perf_counter() - t0)
+
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        """P: requests whose KV blocks may be freed (staged or given up, and finished in vLLM)."""
+        if self.saves is None:
+            return set()
+        self.saves.retry()
+        return self.saves.finished_sending(finished_req_ids)
 
     # ---- D: pull and merge -----------------------------------------------------------------------------
     def start_load(self, meta: LynxConnectorMetadata) -> None:
@@ -210,10 +226,13 @@ class LynxConnectorWorker:
             rec = self._recvs.get(req_id)
             if rec is not None:
                 self._finish_recv(rec, error="aborted by the client", outcome="aborted")
+            elif self._recv_waiting.pop(req_id, None) is not None:
+                self._finished_recving.add(req_id)  # never pulled: vLLM frees its blocks now
         for req_id in meta.recv_cancelled:
             rec = self._recvs.get(req_id)
             if rec is not None:
                 self._finish_recv(rec, error="preempted while speculating", outcome="cancelled")
+            self._recv_waiting.pop(req_id, None)
         hooks = meta.test_hooks
         for spec in meta.reqs_to_recv:
             self._start_recv(spec, hooks.get(spec.req_id, {}))
@@ -229,18 +248,48 @@ class LynxConnectorWorker:
         if spec.num_tokens == 0:  # full local prefix hit: nothing to pull; P frees its staging at the lease
             logger.debug("request %s: prompt fully in D's prefix cache, nothing pulled", spec.req_id)
             return
+        if self._recv_waiting or not self._begin_pull(spec, hooks):  # FIFO behind requests already waiting
+            self._recv_waiting[spec.req_id] = (spec, hooks, time.monotonic() + self.config.timeout_s)
+            logger.info("LynxConnector: D's staging full, request %s waits for room (%d waiting)", spec.req_id,
+                        len(self._recv_waiting))
+
+    def _retry_waiting_recvs(self) -> None:
+        """Start the pulls that waited for D's staging while they fit, oldest first; fail those past timeout_s."""
+        assert self.sink is not None
+        now = time.monotonic()
+        while self._recv_waiting:
+            req_id, (spec, hooks, deadline) = next(iter(self._recv_waiting.items()))
+            if self._begin_pull(spec, hooks):
+                del self._recv_waiting[req_id]
+                continue
+            if now < deadline:
+                return
+            del self._recv_waiting[req_id]
+            logger.error("LynxConnector: request %s found no room in D's staging pool (staging_mb=%d) within "
+                         "%.1fs", req_id, self.sink.pool.nbytes >> 20, self.config.timeout_s)
+            self._failed_recving.add(req_id)
+            self._finished_recving.add(req_id)
+            self.stats.record_failure("stage")
+
+    def _begin_pull(self, spec: RecvSpec, hooks: dict[str, Any]) -> bool:
+        """Allocate D's staging for a request and start its pull; False when the pool has no room right now."""
+        assert self.sink is not None
         a, r = self._plane_nbytes(spec.mode, spec.num_tokens)
         if not get_mode(spec.mode).pulls_residual:
             r = 0  # decoding on the anchor alone: the residual is never pulled (P frees it with the rest)
         n_layers = len(self.layers)
+        need = (a + r) * n_layers
         try:
             staged = self.sink.pool.alloc_request(spec.req_id, a * n_layers, r * n_layers)
-        except Exception as exc:
-            logger.error("LynxConnector: no staging for request %s: %s", spec.req_id, exc)
+        except StagingFullError as exc:
+            if need <= self.sink.pool.nbytes:
+                return False  # room comes back as other pulls finish
+            logger.error("LynxConnector: request %s needs %d bytes of staging, more than D's whole pool "
+                         "(staging_mb=%d): %s", spec.req_id, need, self.sink.pool.nbytes >> 20, exc)
             self._failed_recving.add(spec.req_id)
             self._finished_recving.add(spec.req_id)
             self.stats.record_failure("stage")
-            return
+            return True
         rec = _Recv(spec=spec, staged=staged, t_start=time.perf_counter())
         self._recvs[spec.req_id] = rec
         self._faults.track(spec.req_id, hooks)
@@ -250,6 +299,7 @@ class LynxConnectorWorker:
                            staged.anchor, staged.residual if r else None)
         except ValueError as exc:
             self._finish_recv(rec, error=f"cannot pull: {exc}")
+        return True
 
     def _write_blocks(self, rec: _Recv, full: bool) -> None:
         assert self.layout is not None
@@ -304,6 +354,8 @@ class LynxConnectorWorker:
                 if mode.late_residual and self._faults.defer_merge(ev.req_id, rec.anchor_step, self._step):
                     continue  # test hook: merged in a later step (due_merges)
                 self._apply(rec, full=True)
+        if self._recv_waiting:  # staging freed by the pulls that finished above
+            self._retry_waiting_recvs()
 
     def _apply(self, rec: _Recv, full: bool) -> None:
         try:

@@ -261,3 +261,91 @@ def test_timeout_names_the_side() -> None:
 
     run_scenario([Slow("prefill")], [Fake("decode")], _expect_error(504, "prefill", "timed out"),
                  read_timeout_s=0.3)
+
+
+class SlowDecode(Fake):
+    """A decode server that holds every request until released, counting how many it holds at once."""
+
+    def __init__(self) -> None:
+        super().__init__("decode")
+        self.gate = asyncio.Event()
+        self.now = 0
+        self.peak = 0
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        try:
+            await self.gate.wait()
+            return await super().generate(request)
+        finally:
+            self.now -= 1
+
+
+def test_admission_limits_inflight_per_server_and_queues_the_rest() -> None:
+    """10 concurrent requests, --max-inflight 3 on one D: never more than 3 at D, all 10 answered in order."""
+    d = SlowDecode()
+    p = Fake("prefill")
+
+    async def scenario(s: aiohttp.ClientSession, url: str) -> None:
+        async def one() -> int:
+            async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+                return r.status
+
+        tasks = [asyncio.create_task(one()) for _ in range(10)]
+        await asyncio.sleep(0.3)
+        async with s.get(url + "/lynx/stats") as r:
+            stats = await r.json()
+        assert stats["decode"]["inflight"] == {next(iter(stats["decode"]["inflight"])): 3}
+        assert stats["decode"]["queued"] == 7
+        assert len(p.received) == 3  # P prefills only for requests holding a D slot
+        d.gate.set()
+        assert await asyncio.gather(*tasks) == [200] * 10
+        async with s.get(url + "/lynx/stats") as r:
+            stats = await r.json()
+        assert stats["decode"]["queued"] == 0 and set(stats["decode"]["inflight"].values()) == {0}
+        assert stats["prefill"]["admitted"] == 10 and stats["decode"]["admitted"] == 10
+
+    run_scenario([p], [d], scenario, max_inflight=3)
+    assert d.peak == 3 and len(d.received) == 10
+
+
+def test_admission_refuses_at_once_when_the_queue_is_full_or_the_wait_too_long() -> None:
+    d = SlowDecode()
+
+    async def scenario(s: aiohttp.ClientSession, url: str) -> None:
+        async def one() -> tuple[int, str]:
+            async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+                return r.status, (await r.json())["error"]["message"] if r.status != 200 else ""
+
+        tasks = [asyncio.create_task(one()) for _ in range(4)]  # 1 in flight, 2 queued, 1 refused
+        await asyncio.sleep(0.2)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        status, message = await one()  # the queue is full: refused at once
+        assert status == 503 and "--max-queued 2" in message and loop.time() - t0 < 0.5
+        # the gate stays shut: of the other three, two time out in the queue and one was refused at once
+        results = await asyncio.gather(*tasks[1:])
+        refused = [m for st, m in results if st == 503]
+        assert len(refused) == 3 and sum("--queue-timeout" in m for m in refused) == 2
+        d.gate.set()
+        assert (await tasks[0])[0] == 200
+        assert (await one())[0] == 200  # and the proxy serves again
+
+    run_scenario([Fake("prefill")], [d], scenario, max_inflight=1, max_queued=2, queue_timeout_s=1.0)
+
+
+def test_admission_picks_the_least_loaded_server() -> None:
+    busy, idle = SlowDecode(), Fake("decode")
+
+    async def scenario(s: aiohttp.ClientSession, url: str) -> None:
+        hold = asyncio.create_task(s.post(url + "/v1/completions", json={"prompt": "x"}))
+        await asyncio.sleep(0.2)
+        for _ in range(3):  # busy holds one request: the next ones all go to the idle server
+            async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+                assert r.status == 200
+        busy.gate.set()
+        (await hold).release()
+
+    run_scenario([Fake("prefill")], [busy, idle], scenario)
+    assert len(busy.received) == 1 and len(idle.received) == 3

@@ -70,7 +70,9 @@ def test_prefill_side_encodes_when_prompt_completes_and_returns_params():
     r.status = RequestStatus.FINISHED_LENGTH_CAPPED
     r.output_token_ids, r.num_output_tokens = [4242], 1  # the token P sampled after the prompt
     hold, params = s.request_finished(r, [7, 3, 9])
-    assert hold is False  # P never holds its blocks: the planes live in staging
+    # P holds its blocks until the worker reports the request in finished_sending (staged, or given up after
+    # waiting for staging room: lynx_connector/saving.py)
+    assert hold is True
     rp = RemotePrefill.from_params(params)
     assert (rp.host, rp.ports, rp.request_id, rp.num_tokens) == ("10.1.2.3", (5555,), "p-1", 70)
     assert rp.first_token == 4242 and params["lynx_first_token"] == 4242
@@ -99,7 +101,7 @@ def test_prefill_side_abort_drops_staging():
     s.update_state_after_alloc(r, FakeBlocks([1, 2]), 0)
     s.build_connector_meta(sched_out(**{"p-2": 40}))
     r.status = RequestStatus.FINISHED_ABORTED
-    assert s.request_finished(r, [1, 2]) == (False, None)
+    assert s.request_finished(r, [1, 2]) == (True, None)  # freed once the worker has dropped its staging
     assert s.build_connector_meta(sched_out()).save_aborted == ["p-2"]
 
 
