@@ -88,6 +88,9 @@ class LynxConfig:
     speculative_min_margin: float = 0.4
     #: Test-only fault injection: "corrupt_residual" flips the residual bits D receives.
     fault_injection: str | None = None
+    #: A folder where each worker's transport writes its live counters (staging, pulls, requests waiting for
+    #: staging) as JSON about once a second, also while the engine is idle (benchmarks, debugging); null = off.
+    status_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not is_mode(self.mode):
@@ -142,6 +145,9 @@ class LynxConfig:
             if not host:
                 raise LynxConfigError("side_channel_host: must not be empty")
             kw["side_channel_host"] = host
+        if "status_dir" in extra:
+            sd = extra["status_dir"]
+            kw["status_dir"] = None if sd in (None, "") else str(sd)
         if "fault_injection" in extra:
             fi = extra["fault_injection"]
             kw["fault_injection"] = None if fi in (None, "", "none") else str(fi)

@@ -17,7 +17,9 @@ now; a cancelled one (preempted while speculating: its blocks are already freed)
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -139,16 +141,29 @@ class LynxConnectorWorker:
         )
         name = f"lynx-{self.engine_id}-tp{self.tp_rank}"
         if self.is_producer:
-            self.source = TransferSource(tcfg, compat, name=name + "-src")
+            self.source = TransferSource(self._with_status(tcfg, name + "-src"), compat, name=name + "-src",
+                                         status_extra=self._status_counters)
             # P gives up on a request that found no room before D's own deadline would
             self.saves = SaveQueue(self.source, self._encode_request, wait_s=self.config.timeout_s / 2,
                                    on_reject=self.stats.record_failure)
         if self.is_consumer:
-            self.sink = TransferSink(tcfg, compat, name=name + "-dst")
+            self.sink = TransferSink(self._with_status(tcfg, name + "-dst"), compat, name=name + "-dst",
+                                     status_extra=self._status_counters)
         logger.info("LynxConnector worker ready: %d layers, layout %s, mode %s, role %s, side channel %s",
                     len(self.layers), self.layout, self.config.mode,
                     self.vllm_config.kv_transfer_config.kv_role,
                     self.source.address if self.source else None)
+
+    def _with_status(self, tcfg: TransportConfig, name: str) -> TransportConfig:
+        if self.config.status_dir is None:
+            return tcfg
+        os.makedirs(self.config.status_dir, exist_ok=True)
+        return dataclasses.replace(tcfg, status_path=os.path.join(self.config.status_dir, name + ".json"))
+
+    def _status_counters(self) -> dict[str, Any]:
+        """The worker's queues for the status file (read from a transport thread: sizes only)."""
+        return {"save_waiting": self.saves.waiting if self.saves is not None else 0,
+                "recv_waiting": len(self._recv_waiting), "recvs_live": len(self._recvs)}
 
     def handshake_metadata(self) -> LynxHandshakeMetadata | None:
         if self.source is None:
@@ -214,10 +229,9 @@ class LynxConnectorWorker:
         self.stats.record_encode(a * n_layers, r * n_layers, time.perf_counter() - t0)
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
-        """P: requests whose KV blocks may be freed (staged or given up, and finished in vLLM)."""
+        """P: requests whose KV blocks may be freed (staged or given up, and finished in vLLM); after poll()."""
         if self.saves is None:
             return set()
-        self.saves.retry()
         return self.saves.finished_sending(finished_req_ids)
 
     # ---- D: pull and merge -----------------------------------------------------------------------------
@@ -323,6 +337,8 @@ class LynxConnectorWorker:
         self._step += 1
         if self.source is not None:
             self.source.poll()
+            if self.saves is not None and self.saves.waiting:
+                self.saves.retry()  # room freed by D's done; or the wait is over and D is told why
         if self.sink is None:
             return
         for req_id in self._faults.due_merges(self._step):  # test hook delay_residual_steps

@@ -50,6 +50,7 @@ class TransportConfig:
         (starts at ``retry_s``, doubles per answer), so waiting pulls cannot flood the side channel.
     reconnect_s: a peer that answered nothing this long while D waits on it gets a fresh connection and a new
         handshake; the waiting pulls are asked again and none of them fails for it (each has its own deadline).
+    status_path: write the endpoint's live counters to this JSON file about once a second (None = off).
     """
 
     link_gbps: float | None = None
@@ -72,6 +73,7 @@ class TransportConfig:
     resend_s: float = 0.5
     retry_max_s: float = 0.1
     reconnect_s: float = 2.0
+    status_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.link_gbps is not None:

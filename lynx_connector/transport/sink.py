@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ from lynx_connector.transport.link import Addr, PeerLink
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
 from lynx_connector.transport.pool import StagingPool
 from lynx_connector.transport.scheduler import StreamJob, TransferScheduler
+from lynx_connector.transport.status import StatusWriter
 from lynx_connector.transport.wake import Waker, unpin_current_thread
 
 logger = init_logger(__name__)
@@ -72,7 +74,9 @@ class TransferSink:
         nixl: NixlLike | None = None,
         name: str | None = None,
         record_posts: bool = False,
+        status_extra: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        """``status_extra`` adds the owner's counters to the status file (``config.status_path``)."""
         self.config = config
         self.compat = dict(compat)
         self.compat_hash = proto.compat_hash(self.compat)
@@ -96,6 +100,8 @@ class TransferSink:
         self._resent = 0  # Hello/Query messages sent again for want of an answer
         self._reconnects = 0
         self._stop = False
+        self._status = StatusWriter(config.status_path,
+                                    lambda: {"sink": self.stats(), **(status_extra() if status_extra else {})})
         self._thread = threading.Thread(target=self._serve, name="lynx-sink", daemon=True)
         self._thread.start()
 
@@ -205,6 +211,10 @@ class TransferSink:
         wait = self._sched.step()
         self._process_sched_events()
         wait = self._check_deadlines(wait)
+        self._status.maybe_write()
+        due = self._status.due_in(time.monotonic())
+        if due is not None:
+            wait = due if wait is None else min(wait, due)
         timeout_ms = -1 if wait is None else (0 if wait <= 0 else max(1, int(wait * 1000 + 0.999)))
         if wait is not None and 0 < wait < 0.001:  # sub-ms waits: sleep precisely, not 1 ms
             time.sleep(wait)

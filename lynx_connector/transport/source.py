@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
 from lynx_connector.transport.pool import StagedRequest, StagingPool
+from lynx_connector.transport.status import StatusWriter
 from lynx_connector.transport.wake import Waker, unpin_current_thread
 
 logger = init_logger(__name__)
@@ -51,7 +53,9 @@ class TransferSource:
         *,
         nixl: NixlLike | None = None,
         name: str | None = None,
+        status_extra: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        """``status_extra`` adds the owner's counters to the status file (``config.status_path``)."""
         self.config = config
         self.compat = dict(compat)
         self.compat_hash = proto.compat_hash(self.compat)
@@ -82,6 +86,8 @@ class TransferSource:
         self._waker = Waker(self._ctx)
         self._stop = False
         self.cpu_s = 0.0
+        self._status = StatusWriter(config.status_path,
+                                    lambda: {"source": self.stats(), **(status_extra() if status_extra else {})})
         self._thread = threading.Thread(target=self._serve, name="lynx-source", daemon=True)
         self._thread.start()
         logger.info("lynx transfer source %s listening on %s:%s", self.name, *self._address)
@@ -197,6 +203,7 @@ class TransferSource:
             if self.config.target_progress_s > 0 and self._has_published():
                 self._pump_nixl()
             self.cpu_s = time.thread_time() - t_cpu
+            self._status.maybe_write()
 
     def _has_published(self) -> bool:
         with self._lock:

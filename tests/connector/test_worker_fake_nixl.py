@@ -16,6 +16,7 @@ from lynx_connector import worker as worker_mod
 from lynx_connector.codec import decode_anchor, encode, get_codec, merge_residual
 from lynx_connector.config import LynxConfig
 from lynx_connector.metadata import LynxConnectorMetadata, RecvSpec, SaveSpec
+from lynx_connector.modes import get_mode
 from lynx_connector.transport import TransferSink, TransferSource
 from tests.transport.fakes import FakeFabric, FakeNixlWrapper
 
@@ -34,10 +35,10 @@ def vcfg(role: str) -> SimpleNamespace:
 @pytest.fixture
 def pair(monkeypatch):
     fabric = FakeFabric()
-    monkeypatch.setattr(worker_mod, "TransferSource", lambda cfg, compat, name=None: TransferSource(
-        cfg, compat, nixl=FakeNixlWrapper(fabric, name), name=name))
-    monkeypatch.setattr(worker_mod, "TransferSink", lambda cfg, compat, name=None: TransferSink(
-        cfg, compat, nixl=FakeNixlWrapper(fabric, name), name=name))
+    monkeypatch.setattr(worker_mod, "TransferSource", lambda cfg, compat, name=None, **kw: TransferSource(
+        cfg, compat, nixl=FakeNixlWrapper(fabric, name), name=name, **kw))
+    monkeypatch.setattr(worker_mod, "TransferSink", lambda cfg, compat, name=None, **kw: TransferSink(
+        cfg, compat, nixl=FakeNixlWrapper(fabric, name), name=name, **kw))
     made = []
 
     def make(role: str, **extra):
@@ -79,7 +80,7 @@ def expected(p_caches, mode: str, full: bool) -> dict[str, torch.Tensor]:
     from lynx_connector.codec import KVLayout
 
     layout = KVLayout.from_kv_cache(next(iter(p_caches.values())), block_size=BS, backend="cpu")
-    codec = get_codec("lynx" if mode in ("full", "anchor", "speculative") else mode)
+    codec = get_codec(get_mode(mode).codec)
     a, r = codec.plane_nbytes(N, H, D, torch.float32)
     out = {}
     for name, kv in p_caches.items():
@@ -237,3 +238,51 @@ def test_corrupt_residual_fault_injection_changes_the_merge(pair):
     sound = expected(p_caches, "full", full=True)
     assert any(not torch.equal(d_caches[n], sound[n]) for n in d_caches)
     assert_staging_freed(p, d)
+
+
+def test_full_staging_on_p_and_d_waits_for_room_then_serves(pair):
+    """Issue 13: a request that finds P's or D's staging pool full waits (P keeps the KV blocks, D's queries get
+    NotReady) and is served once room appears; P reports it finished_sending only then."""
+    make, _ = pair
+    (p, p_caches), (d, d_caches) = make("kv_producer"), make("kv_consumer")
+    p_fill = p.source.alloc("filler", p.source.pool.nbytes - 4096, 0)  # P's pool is nearly full
+    d_fill = d.sink.pool.alloc_request("filler", d.sink.pool.nbytes - 4096, 0)  # and D's
+    publish(p, "full")
+    assert p.saves.waiting == 1 and p.finished_sending({"p1"}) == set()  # blocks stay held while it waits
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, "full")]))
+    assert len(d._recv_waiting) == 1 and d._recvs == {}
+    for _ in range(20):
+        d.poll()
+        time.sleep(0.01)
+    assert d.take_results() == (set(), set())  # nothing failed while waiting
+    del p_fill, d_fill
+    p.source.abort("filler")
+    d.sink.pool.free_request("filler")
+    p.poll()
+    assert p.finished_sending(set()) == {"p1"}  # staged now, and vLLM said it finished above
+    done: set[str] = set()
+    poll_until([p, d], lambda: done.update(d.take_results()[0]) or "d1" in done)
+    want = expected(p_caches, "full", full=True)
+    assert all(torch.equal(d_caches[n], want[n]) for n in d_caches)
+    assert_staging_freed(p, d)
+
+
+def test_staging_that_never_frees_fails_with_a_clear_error(pair):
+    """P gives up after timeout_s / 2 (D hears staging_full at once); D gives up after timeout_s."""
+    make, _ = pair
+    (p, _), (d, _) = make("kv_producer"), make("kv_consumer")
+    p.source.alloc("filler", p.source.pool.nbytes - 4096, 0)
+    publish(p, "full")
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, "full")]))
+    failed: set[str] = set()
+    t0 = time.monotonic()
+    poll_until([p, d], lambda: failed.update(d.take_results()[1]) or "d1" in failed)
+    assert 0.9 <= time.monotonic() - t0 < 1.9  # P's wait (timeout_s / 2 = 1 s), not D's deadline (2 s)
+    assert p.finished_sending({"p1"}) == {"p1"} and p.stats.data["failed_stage"] == 1
+    assert d.sink.pool.regions_live == 0 and d._recvs == {}
+    d.sink.pool.alloc_request("filler", d.sink.pool.nbytes - 4096, 0)
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, "full", req="d2", remote="p2")]))
+    failed.clear()
+    t0 = time.monotonic()
+    poll_until([p, d], lambda: failed.update(d.take_results()[1]) or "d2" in failed)
+    assert 1.9 <= time.monotonic() - t0 < 3.0 and d._recv_waiting == {}  # D's own bound: timeout_s = 2 s

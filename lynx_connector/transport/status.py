@@ -1,0 +1,52 @@
+"""Live counters of a transport endpoint written to a JSON file about once a second (``status_path``).
+
+For benchmarks and debugging: vLLM's own metrics are updated only when the engine steps, so an idle engine
+keeps showing its last busy step; this file is written by the endpoint's service thread, which also runs
+when the engine is idle. The write is atomic (temporary file + rename); a failed write is logged once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lynx_connector.logger import init_logger
+
+logger = init_logger(__name__)
+
+__all__ = ["StatusWriter", "STATUS_INTERVAL_S"]
+
+STATUS_INTERVAL_S = 1.0
+
+
+class StatusWriter:
+    def __init__(self, path: str | None, collect: Callable[[], dict[str, Any]]) -> None:
+        self.path = path
+        self._collect = collect
+        self._next = 0.0
+        self._warned = False
+
+    def due_in(self, now: float) -> float | None:
+        """Seconds until the next write (None: writing is off)."""
+        return None if self.path is None else max(0.0, self._next - now)
+
+    def maybe_write(self, now: float | None = None) -> None:
+        if self.path is None:
+            return
+        now = time.monotonic() if now is None else now
+        if now < self._next:
+            return
+        self._next = now + STATUS_INTERVAL_S
+        try:
+            body = {"time": time.time(), **self._collect()}
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(body, f, default=str)
+            os.replace(tmp, self.path)
+        except Exception as exc:  # observability must never break the transport
+            if not self._warned:
+                logger.warning("lynx: cannot write status file %s: %s", self.path, exc)
+                self._warned = True
