@@ -209,6 +209,13 @@ class LynxConnectorWorker:
         a, r = self._plane_nbytes(spec.mode, spec.num_tokens)
         codec = self._codec(spec.mode)
         n_layers = len(self.layers)
+        if (a + r) * n_layers > self.source.pool.nbytes:  # can never fit: no point in waiting for room
+            msg = (f"the request needs {(a + r) * n_layers} bytes of staging, more than P's whole pool "
+                   f"(staging_mb={self.source.pool.nbytes >> 20})")
+            logger.error("LynxConnector: request %s not sent: %s", spec.req_id, msg)
+            self.source.reject(spec.req_id, "too_large", msg)
+            self.stats.record_failure("stage")
+            return
         staged = self.source.alloc(spec.req_id, a * n_layers, r * n_layers)
         try:
             for i, (name, kv) in enumerate(self.layers):
@@ -262,6 +269,14 @@ class LynxConnectorWorker:
         if spec.num_tokens == 0:  # full local prefix hit: nothing to pull; P frees its staging at the lease
             logger.debug("request %s: prompt fully in D's prefix cache, nothing pulled", spec.req_id)
             return
+        need = sum(self._pull_nbytes(spec))
+        if need > self.sink.pool.nbytes:  # can never fit: fail now rather than after waiting for room
+            logger.error("LynxConnector: request %s needs %d bytes of staging, more than D's whole pool "
+                         "(staging_mb=%d)", spec.req_id, need, self.sink.pool.nbytes >> 20)
+            self._failed_recving.add(spec.req_id)
+            self._finished_recving.add(spec.req_id)
+            self.stats.record_failure("stage")
+            return
         if self._recv_waiting or not self._begin_pull(spec, hooks):  # FIFO behind requests already waiting
             self._recv_waiting[spec.req_id] = (spec, hooks, time.monotonic() + self.config.timeout_s)
             logger.info("LynxConnector: D's staging full, request %s waits for room (%d waiting)", spec.req_id,
@@ -285,25 +300,21 @@ class LynxConnectorWorker:
             self._finished_recving.add(req_id)
             self.stats.record_failure("stage")
 
-    def _begin_pull(self, spec: RecvSpec, hooks: dict[str, Any]) -> bool:
-        """Allocate D's staging for a request and start its pull; False when the pool has no room right now."""
-        assert self.sink is not None
+    def _pull_nbytes(self, spec: RecvSpec) -> tuple[int, int]:
+        """Bytes of D's staging for a request's anchor and residual (all layers; residual 0 when not pulled)."""
         a, r = self._plane_nbytes(spec.mode, spec.num_tokens)
         if not get_mode(spec.mode).pulls_residual:
             r = 0  # decoding on the anchor alone: the residual is never pulled (P frees it with the rest)
-        n_layers = len(self.layers)
-        need = (a + r) * n_layers
+        return a * len(self.layers), r * len(self.layers)
+
+    def _begin_pull(self, spec: RecvSpec, hooks: dict[str, Any]) -> bool:
+        """Allocate D's staging for a request and start its pull; False when the pool has no room right now."""
+        assert self.sink is not None
+        a, r = self._pull_nbytes(spec)
         try:
-            staged = self.sink.pool.alloc_request(spec.req_id, a * n_layers, r * n_layers)
-        except StagingFullError as exc:
-            if need <= self.sink.pool.nbytes:
-                return False  # room comes back as other pulls finish
-            logger.error("LynxConnector: request %s needs %d bytes of staging, more than D's whole pool "
-                         "(staging_mb=%d): %s", spec.req_id, need, self.sink.pool.nbytes >> 20, exc)
-            self._failed_recving.add(spec.req_id)
-            self._finished_recving.add(spec.req_id)
-            self.stats.record_failure("stage")
-            return True
+            staged = self.sink.pool.alloc_request(spec.req_id, a, r)
+        except StagingFullError:
+            return False  # room comes back as other pulls finish (it fits the pool: checked on arrival)
         rec = _Recv(spec=spec, staged=staged, t_start=time.perf_counter())
         self._recvs[spec.req_id] = rec
         self._faults.track(spec.req_id, hooks)

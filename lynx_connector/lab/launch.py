@@ -229,9 +229,12 @@ class Deployment:
     def __init__(self, model: str, log_dir: Path, *, kv_transfer_config: str = "lynx",
                  max_model_len: int = 4096, startup_timeout: float = 420.0, extra_serve_args: list[str] | None = None,
                  netns: bool = False, link_mbit: float | None = None, decode_serve_args: list[str] | None = None,
-                 prefill_env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None):
+                 prefill_env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None,
+                 proxy_args: list[str] | None = None):
         """``extra_serve_args`` go to P and D, ``decode_serve_args`` to D only (after them); ``prefill_env`` and
-        ``decode_env`` override the servers' environment (e.g. ``VLLM_CPU_OMP_THREADS_BIND``)."""
+        ``decode_env`` override the servers' environment (e.g. ``VLLM_CPU_OMP_THREADS_BIND``); ``proxy_args``
+        go to ``lynx proxy`` (e.g. ``--max-inflight 4``)."""
+        self._proxy_args = list(proxy_args or [])
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.startup_timeout = startup_timeout
@@ -261,7 +264,7 @@ class Deployment:
                              self.log_dir / "decode.log", env=server_env("decode"))
         self.proxy = Server("proxy", [sys.executable, "-m", "lynx_connector.cli", "proxy", "--host", "127.0.0.1",
                                       "--port", str(x_port), "--prefill", self.prefill.url,
-                                      "--decode", self.decode.url],
+                                      "--decode", self.decode.url, *self._proxy_args],
                             x_port, self.log_dir / "proxy.log", env=dict(env))
         self.servers = [self.prefill, self.decode, self.proxy]
 
@@ -292,7 +295,7 @@ class Deployment:
         x_host, x_port = plan.addr("x", "p"), NETNS_PORTS["proxy"]
         self.proxy = Server("proxy", [sys.executable, "-m", "lynx_connector.cli", "proxy", "--host", "0.0.0.0",
                                       "--port", str(x_port), "--prefill", self.prefill.url,
-                                      "--decode", self.decode.url],
+                                      "--decode", self.decode.url, *self._proxy_args],
                             x_port, self.log_dir / "proxy.log", env=dict(SERVER_ENV), host=x_host)
         self.servers = [self.prefill, self.decode, self.proxy]
 
