@@ -311,6 +311,19 @@ class Deployment:
         d.start()
         self._wait_healthy([d], self.startup_timeout if timeout is None else timeout)
 
+    def restart_prefill(self, timeout: float | None = None) -> None:
+        """Kill P (SIGKILL: no clean shutdown, as a crash) and start it again with the same arguments, on the
+        same ports; D and the proxy keep running."""
+        p = self.prefill
+        p.stop(grace=0.0)
+        p.start()
+        self._wait_healthy([p], self.startup_timeout if timeout is None else timeout)
+
+    def signal_prefill(self, sig: int) -> None:
+        """Send ``sig`` to every process of P (e.g. SIGSTOP / SIGCONT: a P that goes silent, then resumes)."""
+        assert self.prefill.proc is not None
+        os.killpg(self.prefill.proc.pid, sig)
+
     @property
     def url(self) -> str:
         return self.proxy.url

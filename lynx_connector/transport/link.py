@@ -1,4 +1,5 @@
-"""D's side-channel connection to one P (`PeerLink`): a zmq DEALER socket, the handshake state and liveness.
+"""D's control-path state: the side-channel connection to one P (`PeerLink`: a zmq DEALER socket, the
+handshake state and liveness), one pull's state (`PullState`) and the Dones owed to peers (`DoneCourier`).
 
 The sink's service thread owns every link (zmq sockets are not thread-safe). A link can be re-opened: a new
 socket, hence a new zmq identity and TCP connection, for a peer that stopped answering; the NIXL agent added
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -17,7 +19,7 @@ from lynx_connector.transport import protocol as proto
 
 logger = init_logger(__name__)
 
-__all__ = ["Addr", "PeerLink"]
+__all__ = ["Addr", "DoneCourier", "PeerLink", "PullState"]
 
 Addr = tuple[str, int]
 
@@ -95,3 +97,70 @@ class PeerLink:
 
     def close(self, linger_ms: int = 0) -> None:
         self._close_socket(linger_ms)
+
+    def forget_agent(self, nixl) -> None:
+        """Remove the peer's NIXL agent from D's (a restarted P, or a peer dropped)."""
+        if self.agent:
+            try:
+                nixl.remove_remote(self.agent)
+            except Exception as exc:
+                logger.debug("remove_remote_agent(%s): %s", self.agent, exc)
+            self.agent = ""
+
+
+@dataclass
+class PullState:
+    req_id: str
+    addr: Addr
+    remote_req_id: str
+    anchor: tuple[int, int]  # (local addr, nbytes)
+    residual: tuple[int, int] | None
+    t0: float
+    deadline: float
+    state: str = "wait_peer"  # wait_peer -> query -> transferring
+    retry_at: float | None = None  # query again at (after a NotReady answer)
+    sent_at: float | None = None  # a query is out and unanswered since
+    backoff: float = 0.0
+    last_reply: str = "no answer"
+    pending: set[str] = field(default_factory=set)
+    failed: bool = False
+    done_sent: bool = False
+
+
+class DoneCourier:
+    """The Dones D owes its peers: each is sent again, with back-off, until P acknowledges it or P's lease would
+    have freed the staging anyway. A Done sent while P was silent, or lost on a reset connection, would else
+    leave P's staging held until the lease ran out."""
+
+    MAX_INTERVAL_S = 5.0
+
+    def __init__(self, resend_s: float, give_up_s: float) -> None:
+        self._resend_s, self._give_up_s = resend_s, give_up_s
+        self._owed: dict[tuple[Addr, str], list[float]] = {}  # -> [next send, interval, give up at]
+
+    def __len__(self) -> int:
+        return len(self._owed)
+
+    def owe(self, addr: Addr, req_id: str, now: float) -> None:
+        self._owed[(addr, req_id)] = [now + self._resend_s, self._resend_s, now + self._give_up_s]
+
+    def ack(self, addr: Addr, req_id: str) -> None:
+        self._owed.pop((addr, req_id), None)
+
+    def owed_to(self, addr: Addr) -> bool:
+        return any(a == addr for a, _ in self._owed)
+
+    def due(self, now: float) -> list[tuple[Addr, str]]:
+        """The Dones to send again now (the ones past their give-up time are forgotten)."""
+        out = []
+        for key, st in list(self._owed.items()):
+            if now >= st[2]:
+                del self._owed[key]
+            elif now >= st[0]:
+                st[1] = min(2 * st[1], self.MAX_INTERVAL_S)
+                st[0] = now + st[1]
+                out.append(key)
+        return out
+
+    def next_time(self) -> float | None:
+        return min((st[0] for st in self._owed.values()), default=None)

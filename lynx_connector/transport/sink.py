@@ -23,7 +23,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from lynx_connector.logger import init_logger
 from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.events import ANCHOR, RESIDUAL, TransferEvent
-from lynx_connector.transport.link import Addr, PeerLink
+from lynx_connector.transport.link import Addr, DoneCourier, PeerLink, PullState
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
 from lynx_connector.transport.pool import StagingPool
 from lynx_connector.transport.scheduler import StreamJob, TransferScheduler
@@ -43,25 +42,6 @@ from lynx_connector.transport.wake import Waker, unpin_current_thread
 logger = init_logger(__name__)
 
 __all__ = ["TransferSink"]
-
-@dataclass
-class _Pull:
-    req_id: str
-    addr: Addr
-    remote_req_id: str
-    anchor: tuple[int, int]  # (local addr, nbytes)
-    residual: tuple[int, int] | None
-    t0: float
-    deadline: float
-    state: str = "wait_peer"  # wait_peer -> query -> transferring
-    retry_at: float | None = None  # query again at (after a NotReady answer)
-    sent_at: float | None = None  # a query is out and unanswered since
-    backoff: float = 0.0
-    last_reply: str = "no answer"
-    pending: set[str] = field(default_factory=set)
-    failed: bool = False
-    done_sent: bool = False
-
 
 class TransferSink:
     """D-side endpoint; one per worker process. `pool` is D's registered staging (caller allocates in it)."""
@@ -92,12 +72,13 @@ class TransferSink:
         self._ev_lock = threading.Lock()
         self._active: set[str] = set()  # pulled and not yet forgotten (caller-side duplicate check)
         self._peers: dict[Addr, PeerLink] = {}
-        self._pulls: dict[str, _Pull] = {}
+        self._pulls: dict[str, PullState] = {}
         self._poller = zmq.Poller()
         self._poller.register(self._waker.receiver, zmq.POLLIN)
         self._sched = TransferScheduler(self._nixl, config, self._on_event, record_posts=record_posts)
         self.cpu_s = 0.0
         self._resent = 0  # Hello/Query messages sent again for want of an answer
+        self._courier = DoneCourier(config.resend_s, config.lease_s)
         self._reconnects = 0
         self._stop = False
         self._status = StatusWriter(config.status_path,
@@ -132,7 +113,7 @@ class TransferSink:
                 raise ValueError(f"request {req_id!r} is already being pulled")
             self._active.add(req_id)
         now = time.monotonic()
-        self._cmd(("pull", _Pull(req_id, (host, port), remote_req_id, a, r, now, now + self.config.timeout_s)))
+        self._cmd(("pull", PullState(req_id, (host, port), remote_req_id, a, r, now, now + self.config.timeout_s)))
 
     def poll(self) -> list[TransferEvent]:
         """Events since the last poll."""
@@ -155,6 +136,7 @@ class TransferSink:
         return {
             "cpu_s": self.cpu_s,
             "resent": self._resent,
+            "dones_owed": len(self._courier),
             "reconnects": self._reconnects,
             "chunks_posted": self._sched.stats.chunks_posted,
             "bytes_done": self._sched.stats.bytes_done,
@@ -246,7 +228,7 @@ class TransferSink:
                 if cmd[2] is not None:
                     cmd[2].set()
 
-    def _start_pull(self, pull: _Pull) -> None:
+    def _start_pull(self, pull: PullState) -> None:
         self._pulls[pull.req_id] = pull
         pull.pending = {ANCHOR} if pull.residual is None else {ANCHOR, RESIDUAL}
         peer = self._peers.get(pull.addr)
@@ -273,13 +255,15 @@ class TransferSink:
                 pull.state, pull.sent_at, pull.retry_at = "wait_peer", None, None
         peer.hello(self.compat)
 
-    def _query(self, pull: _Pull) -> None:
+    def _query(self, pull: PullState) -> None:
         pull.state = "query"
         pull.retry_at = None
         pull.sent_at = time.monotonic()
         self._peers[pull.addr].send(proto.Query(v=proto.VERSION, req_id=pull.remote_req_id))
 
-    def _send_done(self, pull: _Pull) -> None:
+    def _send_done(self, pull: PullState) -> None:
+        """Tell P to free; the Done is owed (sent again) until P acknowledges it."""
+        self._courier.owe(pull.addr, pull.remote_req_id, time.monotonic())
         peer = self._peers.get(pull.addr)
         if peer is not None:
             peer.send(proto.Done(v=proto.VERSION, req_id=pull.remote_req_id))
@@ -310,9 +294,15 @@ class TransferSink:
                 timers.append(pull.retry_at)
             if pull.sent_at is not None:
                 timers.append(pull.sent_at + cfg.resend_s)
+        for addr, req_id in self._courier.due(now):  # Dones P has not acknowledged yet
+            peer = self._peers.get(addr) or self._connect(addr)
+            peer.send(proto.Done(v=proto.VERSION, req_id=req_id))
+        nxt = self._courier.next_time()
+        if nxt is not None:
+            timers.append(nxt)
         for peer in list(self._peers.values()):
             waiting = [p for p in self._pulls_of(peer) if p.state != "transferring"]
-            if not waiting:
+            if not waiting and not self._courier.owed_to(peer.addr):
                 continue
             if now - peer.silent_since() >= cfg.reconnect_s:
                 self._reconnect(peer, now)
@@ -324,7 +314,7 @@ class TransferSink:
                 timers.append(peer.hello_at + cfg.resend_s)
         return None if not timers else max(0.0, min(timers) - now)
 
-    def _expire(self, pull: _Pull) -> None:
+    def _expire(self, pull: PullState) -> None:
         """A pull's own deadline passed before its transfer started: fail it (only it). A peer that never
         answered anything since then and serves no other pull is dropped, so the next pull starts afresh."""
         err = (f"peer {pull.addr[0]}:{pull.addr[1]} did not serve {pull.remote_req_id!r} "
@@ -345,7 +335,7 @@ class TransferSink:
             if peer.addr not in self._peers:
                 return
 
-    def _pulls_of(self, peer: PeerLink, remote_req_id: str | None = None) -> list[_Pull]:
+    def _pulls_of(self, peer: PeerLink, remote_req_id: str | None = None) -> list[PullState]:
         return [
             p for p in self._pulls.values()
             if p.addr == peer.addr and (remote_req_id is None or p.remote_req_id == remote_req_id)
@@ -361,7 +351,9 @@ class TransferSink:
             for pull in self._pulls_of(peer, msg.req_id):
                 if pull.state == "query":
                     self._on_query_reply(pull, peer, msg)
-        elif not isinstance(msg, proto.Ack):
+        elif isinstance(msg, proto.Ack):
+            self._courier.ack(peer.addr, msg.req_id)
+        else:
             logger.warning("side channel from %s:%s: unexpected %s", *peer.addr, type(msg).__name__)
 
     def _on_hello(self, peer: PeerLink, msg: proto.HelloOk) -> None:
@@ -372,7 +364,7 @@ class TransferSink:
         same = bool(peer.agent) and peer.agent == msg.agent_name and peer.pool_addr == msg.pool_addr
         if peer.agent and not same:  # re-handshake with a restarted P: its old staging is gone
             self._sched.fail_peer(peer.agent, f"peer {peer.addr[0]}:{peer.addr[1]} restarted")
-            self._remove_remote(peer)
+            peer.forget_agent(self._nixl)
         if not same:
             try:
                 peer.agent = self._nixl.add_remote(msg.agent_md)
@@ -386,7 +378,7 @@ class TransferSink:
             if pull.state != "transferring":
                 self._query(pull)
 
-    def _on_query_reply(self, pull: _Pull, peer: PeerLink, msg: proto.Message) -> None:
+    def _on_query_reply(self, pull: PullState, peer: PeerLink, msg: proto.Message) -> None:
         pull.sent_at = None
         if isinstance(msg, proto.NotReady) or (isinstance(msg, proto.Error) and msg.code == "unknown_request"):
             pull.last_reply = "not ready" if isinstance(msg, proto.NotReady) else "unknown request"
@@ -443,13 +435,13 @@ class TransferSink:
         with self._ev_lock:
             self._events.extend(events)
 
-    def _finish(self, pull: _Pull) -> None:
+    def _finish(self, pull: PullState) -> None:
         self._pulls.pop(pull.req_id, None)
         if not pull.done_sent:
             self._send_done(pull)
         self._forget(pull.req_id)
 
-    def _fail(self, pull: _Pull, error: str) -> None:
+    def _fail(self, pull: PullState, error: str) -> None:
         """Fail a pull: its streams in the scheduler, or (before transfer) one failed event per stream."""
         pull.failed = True
         if pull.state == "transferring":
@@ -478,12 +470,4 @@ class TransferSink:
 
     def _drop_peer_resources(self, peer: PeerLink, linger_ms: int = 0) -> None:
         peer.close(linger_ms)
-        self._remove_remote(peer)
-
-    def _remove_remote(self, peer: PeerLink) -> None:
-        if peer.agent:
-            try:
-                self._nixl.remove_remote(peer.agent)
-            except Exception as exc:
-                logger.debug("remove_remote_agent(%s): %s", peer.agent, exc)
-            peer.agent = ""
+        peer.forget_agent(self._nixl)

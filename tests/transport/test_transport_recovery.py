@@ -198,3 +198,30 @@ def test_not_ready_retries_back_off(pair) -> None:
     src.alloc("slow", 3000, 2000)
     src.publish("slow")
     assert all(e.ok for e in collect(sink, 2, timeout=2.0))
+
+
+def test_done_lost_while_p_was_silent_is_delivered_later(pair) -> None:
+    """D gives up on a pull while P is silent; its Done would be lost with P's silence and P's staging held until
+    the lease (30 s here). D keeps owing it and P frees the staging within seconds of answering again."""
+    src, sink = pair
+    gate = threading.Lock()
+    real_drain = src._drain_socket
+
+    def paused_drain() -> None:
+        with gate:
+            real_drain()
+
+    src._drain_socket = paused_drain  # type: ignore[method-assign]
+    stage(src, "late", 3000, 2000)
+    gate.acquire()
+    try:
+        pull(sink, src, "late")
+        evs = collect(sink, 2, timeout=6.0)  # D's deadline: 3 s
+        assert all(not e.ok and "did not serve" in e.error for e in evs)
+        assert sink.stats()["dones_owed"] == 1 and src.stats()["requests_live"] == 1
+    finally:
+        gate.release()
+    t0 = time.monotonic()
+    wait_for(lambda: src.stats()["requests_live"] == 0, timeout=10.0)
+    assert time.monotonic() - t0 < 10.0 and src.stats()["freed_done"] == 1  # not the 30 s lease
+    wait_for(lambda: sink.stats()["dones_owed"] == 0)
