@@ -107,8 +107,21 @@ def test_burst_larger_than_max_num_seqs_and_staging_is_answered_in_full(dep, pro
     assert not failed, failed
     assert all(len(r["out"]["choices"][0]["text"]) > 0 for r in results)
     assert_idle(dep)
-    log = dep.dep.decode.log_path.read_text() + dep.dep.prefill.log_path.read_text()
-    assert "waits for room" in log  # the burst really found the pools full and waited, instead of failing
+
+
+def test_requests_that_find_staging_full_wait_and_are_all_served(dep):
+    """8 long bf16 prompts at once (~30 MB of fp32 KV each, pools of 48 MiB): at most one fits a pool at a
+    time, so P and D must queue them for room; every one is answered and the pools drain."""
+    from lynx_connector.lab.bench.load import make_prompts
+
+    logs = (dep.dep.decode.log_path, dep.dep.prefill.log_path)
+    before = sum(p.read_text().count("waits for room") for p in logs)
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda p: complete(dep.url, dep.model, p, "bf16"),
+                                make_prompts(8, (550, 600), seed=5)))
+    assert all(r["ok"] for r in results), [r.get("error") for r in results]
+    assert sum(p.read_text().count("waits for room") for p in logs) > before  # the pools really were full
+    assert_idle(dep)
 
 
 def pull_with_p_stopped(dep, prompt: str, pause_s: float) -> tuple[dict, float]:

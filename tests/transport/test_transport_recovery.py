@@ -50,6 +50,20 @@ def drop_replies(src: TransferSource, should_drop) -> list[str]:
     return dropped
 
 
+def pausable(src: TransferSource) -> threading.Lock:
+    """A lock that, while held, stops the source's service thread from reading its socket (P goes silent; its
+    socket keeps queueing what arrives)."""
+    gate = threading.Lock()
+    real_drain = src._drain_socket
+
+    def paused_drain() -> None:
+        with gate:
+            real_drain()
+
+    src._drain_socket = paused_drain  # type: ignore[method-assign]
+    return gate
+
+
 def pull(sink: TransferSink, src: TransferSource, req: str, a: int = 3000, r: int = 2000):
     v = sink.pool.alloc_request(req, a, r)
     sink.pull(req, *src.address, req, v.anchor, v.residual)
@@ -108,14 +122,7 @@ def test_paused_p_then_resumed_serves_everything(pair) -> None:
     """P's side channel stops for 1.5 s (less than timeout_s) with pulls waiting: D reconnects, asks again and every
     request is served once P answers again; requests after it too."""
     src, sink = pair
-    gate = threading.Lock()
-    real_drain = src._drain_socket
-
-    def paused_drain() -> None:
-        with gate:
-            real_drain()
-
-    src._drain_socket = paused_drain  # type: ignore[method-assign]
+    gate = pausable(src)
     for i in range(3):
         stage(src, f"w{i}", 3000, 2000)
     gate.acquire()
@@ -204,14 +211,7 @@ def test_done_lost_while_p_was_silent_is_delivered_later(pair) -> None:
     """D gives up on a pull while P is silent; its Done would be lost with P's silence and P's staging held until
     the lease (30 s here). D keeps owing it and P frees the staging within seconds of answering again."""
     src, sink = pair
-    gate = threading.Lock()
-    real_drain = src._drain_socket
-
-    def paused_drain() -> None:
-        with gate:
-            real_drain()
-
-    src._drain_socket = paused_drain  # type: ignore[method-assign]
+    gate = pausable(src)
     stage(src, "late", 3000, 2000)
     gate.acquire()
     try:
