@@ -273,9 +273,7 @@ class LynxConnectorWorker:
         if need > self.sink.pool.nbytes:  # can never fit: fail now rather than after waiting for room
             logger.error("LynxConnector: request %s needs %d bytes of staging, more than D's whole pool "
                          "(staging_mb=%d)", spec.req_id, need, self.sink.pool.nbytes >> 20)
-            self._failed_recving.add(spec.req_id)
-            self._finished_recving.add(spec.req_id)
-            self.stats.record_failure("stage")
+            self._fail_unstarted(spec.req_id)
             return
         if self._recv_waiting or not self._begin_pull(spec, hooks):  # FIFO behind requests already waiting
             self._recv_waiting[spec.req_id] = (spec, hooks, time.monotonic() + self.config.timeout_s)
@@ -296,9 +294,13 @@ class LynxConnectorWorker:
             del self._recv_waiting[req_id]
             logger.error("LynxConnector: request %s found no room in D's staging pool (staging_mb=%d) within "
                          "%.1fs", req_id, self.sink.pool.nbytes >> 20, self.config.timeout_s)
-            self._failed_recving.add(req_id)
-            self._finished_recving.add(req_id)
-            self.stats.record_failure("stage")
+            self._fail_unstarted(req_id)
+
+    def _fail_unstarted(self, req_id: str) -> None:
+        """A load that never got staging: reported failed at once (kv_load_failure_policy applies)."""
+        self._failed_recving.add(req_id)
+        self._finished_recving.add(req_id)
+        self.stats.record_failure("stage")
 
     def _pull_nbytes(self, spec: RecvSpec) -> tuple[int, int]:
         """Bytes of D's staging for a request's anchor and residual (all layers; residual 0 when not pulled)."""
