@@ -50,6 +50,8 @@ class TransportConfig:
         (starts at ``retry_s``, doubles per answer), so waiting pulls cannot flood the side channel.
     reconnect_s: a peer that answered nothing this long while D waits on it gets a fresh connection and a new
         handshake; the waiting pulls are asked again and none of them fails for it (each has its own deadline).
+    unknown_grace_s: D gives up on a request P keeps calling unknown for this long (P publishes a request
+        before it answers for it, so "unknown" is final once any message reordering is over), not at timeout_s.
     status_path: write the endpoint's live counters to this JSON file about once a second (None = off).
     """
 
@@ -73,6 +75,7 @@ class TransportConfig:
     resend_s: float = 0.5
     retry_max_s: float = 0.1
     reconnect_s: float = 2.0
+    unknown_grace_s: float = 2.0
     status_path: str | None = None
 
     def __post_init__(self) -> None:
@@ -84,7 +87,8 @@ class TransportConfig:
             raise ValueError(
                 f"TransportConfig.window_bytes ({self.window_bytes}) must be >= chunk_bytes ({self.chunk_bytes})"
             )
-        for name in ("lease_s", "timeout_s", "retry_s", "burst_s", "resend_s", "retry_max_s", "reconnect_s"):
+        for name in ("lease_s", "timeout_s", "retry_s", "burst_s", "resend_s", "retry_max_s", "reconnect_s",
+                     "unknown_grace_s"):
             _positive_float(name, getattr(self, name))
         for name in ("target_progress_s", "anchor_holdoff_s"):
             val = getattr(self, name)

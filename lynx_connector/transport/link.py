@@ -121,6 +121,7 @@ class PullState:
     retry_at: float | None = None  # query again at (after a NotReady answer)
     sent_at: float | None = None  # a query is out and unanswered since
     backoff: float = 0.0
+    unknown_since: float | None = None  # P has answered "unknown request" since
     last_reply: str = "no answer"
     pending: set[str] = field(default_factory=set)
     failed: bool = False

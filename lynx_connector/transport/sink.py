@@ -382,9 +382,17 @@ class TransferSink:
         pull.sent_at = None
         if isinstance(msg, proto.NotReady) or (isinstance(msg, proto.Error) and msg.code == "unknown_request"):
             pull.last_reply = "not ready" if isinstance(msg, proto.NotReady) else "unknown request"
-            cfg = self.config
+            cfg, now = self.config, time.monotonic()
+            if isinstance(msg, proto.NotReady):
+                pull.unknown_since = None
+            elif pull.unknown_since is None:
+                pull.unknown_since = now
+            elif now - pull.unknown_since >= cfg.unknown_grace_s:  # P publishes before it answers: final
+                self._fail(pull, f"peer {peer.addr[0]}:{peer.addr[1]} does not have {pull.remote_req_id!r} "
+                           f"(for {cfg.unknown_grace_s:g}s: its lease ran out, P restarted, or it was never staged)")
+                return
             pull.backoff = min(cfg.retry_max_s, max(cfg.retry_s, 2 * pull.backoff))
-            pull.retry_at = time.monotonic() + pull.backoff
+            pull.retry_at = now + pull.backoff
             return
         if isinstance(msg, proto.Error):
             self._fail(pull, f"peer {peer.addr[0]}:{peer.addr[1]} refused {pull.remote_req_id!r} "

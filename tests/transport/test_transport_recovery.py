@@ -225,3 +225,21 @@ def test_done_lost_while_p_was_silent_is_delivered_later(pair) -> None:
     wait_for(lambda: src.stats()["requests_live"] == 0, timeout=10.0)
     assert time.monotonic() - t0 < 10.0 and src.stats()["freed_done"] == 1  # not the 30 s lease
     wait_for(lambda: sink.stats()["dones_owed"] == 0)
+
+
+def test_request_p_does_not_have_fails_after_the_grace_not_the_deadline(fabric: FakeFabric) -> None:
+    """P publishes before it answers for a request, so 'unknown request' (lease expired, P restarted, wrong id)
+    is final: D fails it after unknown_grace_s (1 s here), not after timeout_s (20 s)."""
+    src = TransferSource(TransportConfig(**CFG, timeout_s=20.0), COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
+    sink = TransferSink(TransportConfig(**CFG, timeout_s=20.0, unknown_grace_s=1.0), COMPAT,
+                        nixl=FakeNixlWrapper(fabric, "D"))
+    try:
+        t0 = time.monotonic()
+        pull(sink, src, "ghost")
+        evs = collect(sink, 2, timeout=5.0)
+        assert 1.0 <= time.monotonic() - t0 < 3.0
+        assert all(not e.ok and "does not have 'ghost'" in e.error for e in evs)
+        assert sink.stats()["pulls_live"] == 0
+    finally:
+        sink.close()
+        src.close()
