@@ -37,6 +37,18 @@ def test_bits_per_value() -> None:
     assert accuracy.bits_per_value("int4") == pytest.approx(4.5)
 
 
+def test_engines_come_from_the_shared_harness_and_presets() -> None:
+    """P and D are lab.engine.EngineProcess (no copy of the harness here); D's speculative arguments are
+    presets.speculative_engine_args(SPEC_K)."""
+    from lynx_connector import presets
+    from lynx_connector.lab.engine import EngineProcess
+
+    assert not hasattr(accuracy, "Engine") and not hasattr(accuracy, "_engine_main")
+    assert accuracy.EngineProcess is EngineProcess
+    kw, note = accuracy.speculative_overrides()
+    assert kw == presets.speculative_engine_args(accuracy.SPEC_K) and str(accuracy.SPEC_K) in note
+
+
 def _raw(tokens: list[list[int]], correct: list[bool], lps: list[list[float]]) -> dict:
     nd = [{"seed": i, "context_tokens": 1024 * (1 + i % 2), "depth": 0.5, "prompt_tokens": 1100, "answer": "1",
            "text": "", "token_ids": t, "correct": c, "num_cached_tokens": 1099}

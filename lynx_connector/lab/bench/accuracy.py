@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
-import traceback
 from typing import Any
 
+from lynx_connector import presets
 from lynx_connector.lab.bench import common
 from lynx_connector.lab.bench.report import wilson
+from lynx_connector.lab.engine import EngineProcess
 from lynx_connector.logger import init_logger
 from lynx_connector.modes import MODE_NAMES, comparison_order, get_mode
 
@@ -40,8 +40,9 @@ logger = init_logger(__name__)
 
 MODES = comparison_order()  # every transfer mode (the modes table)
 ROUND = 2  # requests per P -> D round (2 fp32 prompts of 2k tokens fit P's staging)
-ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-              "TOKENIZERS_PARALLELISM": "false"}
+SPEC_K = 16  # D's verification slots per pass in the speculative mode
+ENGINE_START_TIMEOUT_S = 600.0
+ENGINE_TIMEOUT_S = 1800.0  # per generate() call
 # two-sided 95% t quantiles by degrees of freedom (normal beyond 30)
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
@@ -75,113 +76,25 @@ def kv_config(extra: dict[str, Any] | None = None) -> dict[str, Any]:
             "kv_role": "kv_both", "kv_connector_extra_config": cfg}
 
 
-def _engine_main(conn: Any, kwargs: dict[str, Any], env: dict[str, str]) -> None:
-    os.environ.update(env)
-    try:
-        from vllm import LLM, SamplingParams
-
-        llm = LLM(**kwargs)
-        conn.send(("ready", None))
-    except Exception:
-        conn.send(("error", traceback.format_exc()))
-        return
-    while True:
-        try:
-            cmd, payload = conn.recv()
-        except EOFError:
-            return
-        if cmd == "stop":
-            return
-        try:
-            prompts, sampling, params, score_from = payload
-            sps = []
-            for i in range(len(prompts)):
-                kw = dict(sampling)
-                if params[i] is not None:
-                    kw["extra_args"] = {"kv_transfer_params": params[i]}
-                sps.append(SamplingParams(**kw))
-            outs = []
-            for i, out in enumerate(llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)):
-                c = out.outputs[0]
-                scored = None
-                if out.prompt_logprobs is not None and score_from is not None:
-                    ids = prompts[i]
-                    plp = out.prompt_logprobs
-                    if c.finish_reason == "error":
-                        raise RuntimeError("the request failed on this engine (KV load failure?)")
-                    if len(plp) != len(ids):
-                        raise RuntimeError(f"prompt logprobs for {len(plp)} of {len(ids)} prompt tokens")
-                    scored = [plp[j][ids[j]].logprob for j in range(score_from[i], len(ids))]
-                outs.append({"token_ids": list(c.token_ids), "text": c.text, "scored_logprobs": scored,
-                             "finish_reason": c.finish_reason,
-                             "kv_transfer_params": out.kv_transfer_params,
-                             "num_cached_tokens": out.num_cached_tokens})
-            conn.send(("ok", outs))
-        except Exception:
-            conn.send(("error", traceback.format_exc()))
-
-
-class Engine:
-    """One offline vLLM engine with LynxConnector in a spawned process, driven over a pipe."""
-
-    def __init__(self, model: str, kv: dict[str, Any], cpu: str | None, start_timeout: float = 600,
-                 **overrides: Any):
-        kwargs: dict[str, Any] = dict(model=model, dtype="float32", enforce_eager=True, block_size=32,
-                                      distributed_executor_backend="uni", max_model_len=4096,
-                                      max_num_batched_tokens=4096, max_num_seqs=16, enable_prefix_caching=False,
-                                      seed=0, kv_transfer_config=kv)
-        kwargs.update(overrides)
-        env = dict(ENGINE_ENV)
-        if cpu is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_engine_main, args=(child, kwargs, env), daemon=True)
-        self.proc.start()
-        if not self.conn.poll(start_timeout):
-            self.close()
-            raise TimeoutError("engine did not start in time")
-        status, info = self.conn.recv()
-        if status != "ready":
-            self.close()
-            raise RuntimeError(f"engine failed to start:\n{info}")
-
-    def generate(self, prompts: list[list[int]], params: list[dict | None], score_from: list[int] | None = None,
-                 timeout: float = 1800, **sampling: Any) -> list[dict[str, Any]]:
-        sp = {"temperature": 0.0, "max_tokens": 16}
-        sp.update(sampling)
-        self.conn.send(("generate", (prompts, sp, params, score_from)))
-        if not self.conn.poll(timeout):
-            raise TimeoutError("engine did not answer in time")
-        status, info = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"engine error:\n{info}")
-        return info
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("stop", None))
-            except (BrokenPipeError, OSError):
-                pass
-            self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(10)
+def start_engine(model: str, cpu: str | None, **overrides: Any) -> EngineProcess:
+    """One offline vLLM engine with LynxConnector (``kv_config()``) in a spawned process: the shared harness
+    (``lynx_connector.lab.engine``) with this benchmark's batch size and its patient timeouts (a 2k-token fp32
+    prefill on one busy core)."""
+    return EngineProcess(model, kv_config(), cpu=cpu, start_timeout=ENGINE_START_TIMEOUT_S,
+                         timeout=ENGINE_TIMEOUT_S, max_num_seqs=16, **overrides)
 
 
 def speculative_overrides() -> tuple[dict[str, Any] | None, str]:
-    """Engine arguments that turn D's speculative mode on (the Lynx scheduler and the null proposer that
-    switches vLLM's verification on), when this checkout has ``lynx_connector.speculative``."""
+    """Engine arguments that turn D's speculative mode on (``presets.speculative_engine_args(SPEC_K)``: the
+    Lynx scheduler and the null proposer that switches vLLM's verification on), when this checkout has
+    ``lynx_connector.speculative``."""
     try:
-        from lynx_connector.speculative.proposer import NULL_PROPOSER
-        from lynx_connector.speculative.scheduler import SPEC_SCHEDULER
+        import lynx_connector.speculative.proposer  # noqa: F401
+        import lynx_connector.speculative.scheduler  # noqa: F401
     except ImportError as exc:
         return None, f"lynx_connector.speculative is not usable here ({exc})"
-    k = 16
-    return ({"scheduler_cls": SPEC_SCHEDULER,
-             "speculative_config": {"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": k}},
-            f"D runs {SPEC_SCHEDULER} with {k} verification slots per pass")
+    return (presets.speculative_engine_args(SPEC_K),
+            f"D runs {presets.SPEC_SCHEDULER} with {SPEC_K} verification slots per pass")
 
 
 # ---- the benchmark --------------------------------------------------------------------------------------------
@@ -192,7 +105,7 @@ def bits_per_value(mode: str, num_tokens: int = 1024, heads: int = 3, head_dim: 
     return get_mode(mode).bits_per_value(num_tokens, heads, head_dim, torch.float32)
 
 
-def run_mode(p: Engine, d: Engine, mode: str, needles: list[Any], windows: list[tuple[list[int], list[int]]],
+def run_mode(p: EngineProcess, d: EngineProcess, mode: str, needles: list[Any], windows: list[tuple[list[int], list[int]]],
              gen_tokens: int) -> dict[str, Any]:
     from lynx_connector.lab.data import needle_found
 
@@ -303,15 +216,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            f"{len(windows)} perplexity windows ({window - cont} context + {cont} scored tokens), modes "
            f"{', '.join(modes)}; starting P and D engines")
     spec_kw, spec_note = speculative_overrides() if "speculative" in modes else (None, "not requested")
-    started: list[Engine] = []
+    started: list[EngineProcess] = []
     raw: dict[str, dict[str, Any]] = {}
     results: dict[str, Any] = {}
     try:
         t0 = time.perf_counter()
-        p = Engine(model, kv_config(), cpu="0")
+        p = start_engine(model, cpu="0")
         started.append(p)
         d_cpu = "1" if (os.cpu_count() or 1) > 1 else "0"
-        d = Engine(model, kv_config(), cpu=d_cpu)
+        d = start_engine(model, cpu=d_cpu)
         started.append(d)
         _write(f"engines ready after {time.perf_counter() - t0:.0f} s")
         for i, mode in enumerate(modes):
@@ -324,7 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # scoring of the prompt, where nothing is speculated, so only needles and greedy agreement.
                 d.close()
                 started.remove(d)
-                d = Engine(model, kv_config(), cpu=d_cpu, **spec_kw)
+                d = start_engine(model, cpu=d_cpu, **spec_kw)
                 started.append(d)
                 raw[mode] = run_mode(p, d, mode, needles, [], args.gen_tokens)
             else:
