@@ -39,6 +39,7 @@ class PeerLink:
         self.hello_at = 0.0  # when the (last) Hello was sent
         self.heard_at = 0.0  # when the peer last answered anything (0: never)
         self.opened_at = 0.0  # when the current connection was opened
+        self.asked_at = 0.0  # when the first message still awaiting an answer was sent
         self.reconnects = 0
         self.sock = self._open()
 
@@ -57,11 +58,24 @@ class PeerLink:
         self.opened_at = time.monotonic()
         return sock
 
-    def silent_since(self) -> float:
-        """Since when nothing was heard on the current connection."""
-        return max(self.heard_at, self.opened_at)
+    def silent_for(self, now: float) -> float:
+        """How long the peer has left a message unanswered on the current connection (0 when it owes nothing):
+        an idle pause between requests is not silence."""
+        if self.heard_at >= self.asked_at:
+            return 0.0
+        return now - max(self.asked_at, self.opened_at)
+
+    def silence_deadline(self, reconnect_s: float) -> float | None:
+        """When the current silence, if it goes on, becomes a reason to reconnect."""
+        if self.heard_at >= self.asked_at:
+            return None
+        return max(self.asked_at, self.opened_at) + reconnect_s
 
     def send(self, msg: proto.Message) -> None:
+        """Send one message (every message D sends is answered by P)."""
+        now = time.monotonic()
+        if self.heard_at >= self.asked_at:  # the first question since P last spoke starts the silence clock
+            self.asked_at = now
         try:
             self.sock.send(proto.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # a full queue: the message is re-sent by the sink's timers

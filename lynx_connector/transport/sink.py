@@ -247,7 +247,7 @@ class TransferSink:
         """A fresh connection and handshake for a peer that stopped answering; its NIXL agent stays added
         (transfers in flight go on), waiting pulls are queried again once the handshake is answered."""
         logger.warning("lynx sink: peer %s silent for %.1fs with %d pulls waiting: reconnecting",
-                       peer.name, now - peer.silent_since(), len(self._pulls_of(peer)))
+                       peer.name, peer.silent_for(now), len(self._pulls_of(peer)))
         peer.reopen()
         self._reconnects += 1
         for pull in self._pulls_of(peer):
@@ -304,12 +304,14 @@ class TransferSink:
             waiting = [p for p in self._pulls_of(peer) if p.state != "transferring"]
             if not waiting and not self._courier.owed_to(peer.addr):
                 continue
-            if now - peer.silent_since() >= cfg.reconnect_s:
+            if peer.silent_for(now) >= cfg.reconnect_s:
                 self._reconnect(peer, now)
             elif peer.state == "hello" and now - peer.hello_at >= cfg.resend_s:
                 self._resent += 1
                 peer.hello(self.compat)
-            timers.append(peer.silent_since() + cfg.reconnect_s)
+            deadline = peer.silence_deadline(cfg.reconnect_s)
+            if deadline is not None:
+                timers.append(deadline)
             if peer.state == "hello":
                 timers.append(peer.hello_at + cfg.resend_s)
         return None if not timers else max(0.0, min(timers) - now)

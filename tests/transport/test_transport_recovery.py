@@ -243,3 +243,15 @@ def test_request_p_does_not_have_fails_after_the_grace_not_the_deadline(fabric: 
     finally:
         sink.close()
         src.close()
+
+
+def test_an_idle_pause_between_requests_is_not_silence(pair) -> None:
+    """Regression (seen in lynx bench load: one reconnect per request in a 0.3 req/s soak): a peer that answered
+    everything, then got no question for longer than reconnect_s, is not 'silent' when the next pull asks."""
+    src, sink = pair
+    for i in range(3):
+        stage(src, f"r{i}", 3000, 2000)
+        pull(sink, src, f"r{i}")
+        assert all(e.ok for e in collect(sink, 2))
+        time.sleep(1.2)  # reconnect_s = 0.8 s in this fixture
+    assert sink.stats()["reconnects"] == 0 and sink.stats()["resent"] == 0
