@@ -249,6 +249,9 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", f"Deployment: `{cfg['kv_transfer_config']}`, proxy `{' '.join(cfg['proxy_args'])}`, "
               f"modes {', '.join(cfg['modes'])}, {cfg['words'][0]}-{cfg['words'][1]} words, "
               f"{cfg['max_tokens']} tokens each."]
+    last = result["samples"][-1] if result["samples"] else {}
+    lines.append(f"Side channel over the whole run: D re-sent {last.get('d_resent', 0):.0f} unanswered messages and "
+                 f"reconnected {last.get('d_reconnects', 0):.0f} times.")
     mem = result.get("memory_mb", {})
     if mem:
         lines.append(f"Server memory (process trees, MB): P {mem.get('p_first')} -> {mem.get('p_last')}, "
