@@ -47,6 +47,7 @@ class Codec(ABC):
         """Raise :class:`NonFiniteKVError` when the anchor plane's metadata (scales, minima) is not finite, so a
         bad plane never turns into NaN or inf in D's cache. Default: no metadata (the lossless passthrough,
         whose values P checked finite before encoding)."""
+        return None
 
     def bits_per_value(self, num_tokens: int, num_heads: int, head_size: int, cache_dtype: torch.dtype) -> tuple[float, float]:
         """Wire bits per K/V value (metadata included) of the (anchor, anchor + residual) planes."""
