@@ -33,6 +33,7 @@ import torch
 
 from lynx_connector.codec import (
     LYNX_DEFAULTS,
+    INTEGRITY_FORMAT,
     IntegrityError,
     KVLayout,
     NonFiniteKVError,
@@ -136,6 +137,7 @@ class LynxConnectorWorker:
                                      default=str),
             "layout": f"{self.layout.backend}/{self.layout.isa}/bs{self.layout.block_size}",
             "tp_rank": self.tp_rank,
+            "integrity": INTEGRITY_FORMAT,  # the staged layout's trailers: a P and D that differ fail the handshake
         }
         tcfg = TransportConfig(
             link_gbps=self.config.link_gbps,

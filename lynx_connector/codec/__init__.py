@@ -4,13 +4,14 @@ from lynx_connector.kernels.errors import KVRangeError, NonFiniteKVError
 
 from .api import check_metadata, decode_anchor, decode_full, encode, merge_residual, plane_nbytes
 from .base import Codec
-from .integrity import TRAILER_NBYTES, IntegrityError, PlaneLayout, StagedLayout, checksum, staged_layout
+from .integrity import INTEGRITY_FORMAT, TRAILER_NBYTES, IntegrityError, PlaneLayout, StagedLayout, checksum, staged_layout
 from .layout import KVLayout, TileAddr, cpu_attn_isa
 from .registry import CODEC_NAMES, LYNX_DEFAULTS, get_codec
 
 __all__ = [
     "CODEC_NAMES",
     "Codec",
+    "INTEGRITY_FORMAT",
     "IntegrityError",
     "KVLayout",
     "KVRangeError",

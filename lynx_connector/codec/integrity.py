@@ -30,6 +30,8 @@ from .layout import KVLayout
 #: Bytes of the checksum trailer after each layer's plane (a multiple of 8: layer offsets keep their alignment).
 TRAILER_NBYTES = 8
 PLANES = ("anchor", "residual")
+#: Names this staged format in the P/D compat fields (a P and a D that stage differently fail the handshake).
+INTEGRITY_FORMAT = f"xxh3_64/trailer{TRAILER_NBYTES}/v1"
 
 
 class IntegrityError(ValueError):
@@ -131,5 +133,5 @@ def staged_layout(codec: Codec, layout: KVLayout, num_tokens: int, num_layers: i
     return StagedLayout(PlaneLayout("anchor", a, num_layers), PlaneLayout("residual", r, num_layers))
 
 
-__all__ = ["IntegrityError", "PlaneLayout", "StagedLayout", "TRAILER_NBYTES", "checksum", "checksum_seed",
+__all__ = ["INTEGRITY_FORMAT", "IntegrityError", "PlaneLayout", "StagedLayout", "TRAILER_NBYTES", "checksum", "checksum_seed",
            "staged_layout"]

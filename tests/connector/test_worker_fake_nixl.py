@@ -422,3 +422,17 @@ def test_nonfinite_metadata_is_rejected_before_decoding(pair, monkeypatch, mode,
     assert "layer 1 (layer.1).k: anchor plane scale metadata is not finite" in errors["d1"], errors["d1"]
     assert all(not d_caches[n].any() for n in d_caches)
     assert_staging_freed(p, d)
+
+
+def test_a_peer_without_the_same_integrity_format_fails_the_handshake(pair):
+    """P and D must stage the same trailers: the format is one of the compat fields, so a mismatch is named."""
+    make, _ = pair
+    (p, _), (d, _) = make("kv_producer"), make("kv_consumer")
+    assert p.source.compat["integrity"] == d.sink.compat["integrity"] == "xxh3_64/trailer8/v1"
+    p.source.compat["integrity"] = "none"
+    errors = load_errors(d)
+    publish(p, "full")
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, "full")]))
+    done, failed = results_until([p, d], d, lambda done, failed: "d1" in done)
+    assert failed == {"d1"} and "integrity" in errors["d1"], errors["d1"]
+    assert d.sink.pool.regions_live == 0 and d._recvs == {}
