@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lynx_connector.codec import (
-    LYNX_DEFAULTS,
     INTEGRITY_FORMAT,
+    LYNX_DEFAULTS,
     IntegrityError,
     KVLayout,
     NonFiniteKVError,

@@ -4,7 +4,15 @@ from lynx_connector.kernels.errors import KVRangeError, NonFiniteKVError
 
 from .api import check_metadata, decode_anchor, decode_full, encode, merge_residual, plane_nbytes
 from .base import Codec
-from .integrity import INTEGRITY_FORMAT, TRAILER_NBYTES, IntegrityError, PlaneLayout, StagedLayout, checksum, staged_layout
+from .integrity import (
+    INTEGRITY_FORMAT,
+    TRAILER_NBYTES,
+    IntegrityError,
+    PlaneLayout,
+    StagedLayout,
+    checksum,
+    staged_layout,
+)
 from .layout import KVLayout, TileAddr, cpu_attn_isa
 from .registry import CODEC_NAMES, LYNX_DEFAULTS, get_codec
 
