@@ -86,7 +86,7 @@ class LynxConfig:
     #: minus the runner-up, in nats) is below this is not held, and the request waits for the residual (its
     #: followers would be verified against an uncertain token). 0 holds every token up to the cap.
     speculative_min_margin: float = 0.4
-    #: Test-only fault injection: "corrupt_residual" flips the residual bits D receives.
+    #: Test-only fault injection: "corrupt_residual" flips the residual bits D merges (after its checksum).
     fault_injection: str | None = None
     #: A folder where each worker's transport writes its live counters (staging, pulls, requests waiting for
     #: staging) as JSON about once a second, also while the engine is idle (benchmarks, debugging); null = off.

@@ -6,16 +6,19 @@ scheduler half only warns about a request that carries hooks it will not honour)
 
 Two sources of faults:
 
-* ``fault_injection="corrupt_residual"`` (config key, every request): D flips the residual's bits on arrival.
+* ``fault_injection="corrupt_residual"`` (config key, every request): D flips the residual's bits just before the
+  merge, after the residual passed its checksum (proves that D's KV is built from the residual it merges).
 * per request, ``kv_transfer_params["lynx_test_hooks"]`` (honoured only with ``LYNX_TEST_HOOKS=1``):
   ``{"delay_residual_steps": N}`` merges the residual no earlier than N worker steps after the anchor (makes the
-  speculation window deterministic), ``{"corrupt_residual": true}`` flips the residual's bits on arrival,
-  ``{"fail_residual": true}`` reports the residual stream as failed when it lands.
+  speculation window deterministic), ``{"corrupt_residual": true}`` flips the residual's bits before the merge
+  (after its checksum), ``{"fail_residual": true}`` reports the residual stream as failed when it lands,
+  ``{"flip_bit": {"plane": "anchor"|"residual", "layer": L, "byte": B, "bit": b}}`` flips one bit of layer L's
+  plane in D's staging right after the READ lands, before the checksum (a corrupted transfer).
 
 Path of a per-request hook: the scheduler half parses it when the pull starts (``on_pull``), sends it to the
 worker in ``LynxConnectorMetadata.test_hooks`` (``take_outgoing``); the worker half tracks it for the life of
-the pull (``track`` / ``forget``) and asks at the three points where a fault can bite (``residual_error``,
-``corrupt``, ``defer_merge`` / ``due_merges``).
+the pull (``track`` / ``forget``) and asks at the points where a fault can bite (``residual_error``,
+``flip_bit``, ``corrupt``, ``defer_merge`` / ``due_merges``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,15 @@ TEST_HOOKS_ENV = "LYNX_TEST_HOOKS"
 TEST_HOOKS_PARAM = "lynx_test_hooks"
 #: Accepted values of the ``fault_injection`` config key (besides none).
 FAULT_INJECTIONS = ("corrupt_residual",)
-_HOOK_KEYS = {"delay_residual_steps": int, "corrupt_residual": bool, "fail_residual": bool}
+_HOOK_KEYS = {"delay_residual_steps": int, "corrupt_residual": bool, "fail_residual": bool, "flip_bit": dict}
+
+
+def _flip_bit(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """A valid ``flip_bit`` hook, or None."""
+    ints = [raw.get(k) for k in ("layer", "byte", "bit")]
+    if raw.get("plane") not in ("anchor", "residual") or not all(isinstance(v, int) and v >= 0 for v in ints):
+        return None
+    return {"plane": raw["plane"], "layer": ints[0], "byte": ints[1], "bit": ints[2] % 8}
 
 
 def test_hooks_enabled() -> bool:
@@ -56,6 +67,10 @@ def parse_test_hooks(req_id: str, params: dict[str, Any]) -> dict[str, Any]:
             out[key] = raw[key]
     if "delay_residual_steps" in out:
         out["delay_residual_steps"] = max(0, min(int(out["delay_residual_steps"]), 100_000))
+    if "flip_bit" in out:
+        flip = _flip_bit(out.pop("flip_bit"))
+        if flip is not None:
+            out["flip_bit"] = flip
     return out
 
 
@@ -94,6 +109,13 @@ class FaultHooks:
         if self._hooks.get(req_id, {}).get("fail_residual"):
             return "residual stream failed (test hook fail_residual)"
         return None
+
+    def flip_bit(self, req_id: str, stream: str) -> tuple[int, int, int] | None:
+        """``(layer, byte, bit)`` of the bit to flip in the plane ``stream`` that has just landed, if any."""
+        flip = self._hooks.get(req_id, {}).get("flip_bit")
+        if not flip or flip.get("plane") != stream:
+            return None
+        return int(flip["layer"]), int(flip["byte"]), int(flip["bit"]) % 8
 
     def corrupt(self, req_id: str, residual: Any) -> None:
         """Flip the bits of a residual about to be merged (``corrupt_residual``)."""

@@ -10,6 +10,10 @@ into the request's blocks: mode ``anchor`` (and the single-stream baselines) wri
 reports the request ready, and merges the residual in place later (signalled through worker metadata:
 ``residual_merged``, or ``residual_failed`` when the residual cannot arrive any more; a residual that fails in
 the very step its anchor is reported turns into an ordinary ``failed_recving``).
+Integrity (issue 14.4): each layer's plane in staging is followed by its checksum (``codec/integrity.py`` owns
+that layout); P seals every layer right after encoding it, D verifies every layer of a plane as soon as the
+plane lands (and the anchor's metadata finite) before anything of it is decoded: a mismatch fails only that
+request, by the same path as a failed stream.
 Every path ends in ``_finish_recv``: staging freed on both sides, exactly once, whatever happened. An aborted
 request is reported in ``finished_recving`` (again, for a speculative one) so that vLLM frees its blocks only
 now; a cancelled one (preempted while speculating: its blocks are already freed) is dropped silently.
@@ -28,13 +32,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lynx_connector.codec import (
+    INTEGRITY_FORMAT,
     LYNX_DEFAULTS,
+    IntegrityError,
     KVLayout,
     NonFiniteKVError,
+    StagedLayout,
+    check_metadata,
     decode_anchor,
     encode,
     get_codec,
     merge_residual,
+    staged_layout,
 )
 from lynx_connector.config import LynxConfig
 from lynx_connector.logger import init_logger
@@ -128,6 +137,7 @@ class LynxConnectorWorker:
                                      default=str),
             "layout": f"{self.layout.backend}/{self.layout.isa}/bs{self.layout.block_size}",
             "tp_rank": self.tp_rank,
+            "integrity": INTEGRITY_FORMAT,  # the staged layout's trailers: a P and D that differ fail the handshake
         }
         tcfg = TransportConfig(
             link_gbps=self.config.link_gbps,
@@ -181,11 +191,11 @@ class LynxConnectorWorker:
             codec = self._codecs[name] = get_codec(name, **opts)
         return codec
 
-    def _plane_nbytes(self, mode: str, num_tokens: int) -> tuple[int, int]:
-        """Bytes of one layer's anchor and residual planes."""
+    def _plane_nbytes(self, mode: str, num_tokens: int) -> StagedLayout:
+        """A request's staging layout: per layer, the anchor and residual planes and their checksum trailers
+        (the same function on P and D, so both stage identical sizes)."""
         assert self.layout is not None
-        return self._codec(mode).plane_nbytes(num_tokens, self.layout.num_heads, self.layout.head_size,
-                                              self.layout.dtype)
+        return staged_layout(self._codec(mode), self.layout, num_tokens, len(self.layers))
 
     # ---- P: encode after the forward -------------------------------------------------------------------
     def save(self, meta: LynxConnectorMetadata) -> None:
@@ -206,22 +216,25 @@ class LynxConnectorWorker:
         then waits for room); any other failure rejects the request, so D hears why at once."""
         assert self.source is not None and self.layout is not None
         t0 = time.perf_counter()
-        a, r = self._plane_nbytes(spec.mode, spec.num_tokens)
+        sl = self._plane_nbytes(spec.mode, spec.num_tokens)
+        a, r = sl.nbytes
         codec = self._codec(spec.mode)
-        n_layers = len(self.layers)
-        if (a + r) * n_layers > self.source.pool.nbytes:  # can never fit: no point in waiting for room
-            msg = (f"the request needs {(a + r) * n_layers} bytes of staging, more than P's whole pool "
+        if a + r > self.source.pool.nbytes:  # can never fit: no point in waiting for room
+            msg = (f"the request needs {a + r} bytes of staging, more than P's whole pool "
                    f"(staging_mb={self.source.pool.nbytes >> 20})")
             logger.error("LynxConnector: request %s not sent: %s", spec.req_id, msg)
             self.source.reject(spec.req_id, "too_large", msg)
             self.stats.record_failure("stage")
             return
-        staged = self.source.alloc(spec.req_id, a * n_layers, r * n_layers)
+        staged = self.source.alloc(spec.req_id, a, r)
         try:
             for i, (name, kv) in enumerate(self.layers):
                 encode(codec, kv, spec.block_ids, self.layout, spec.num_tokens,
-                       staged.anchor[i * a:(i + 1) * a], staged.residual[i * r:(i + 1) * r] if r else None,
+                       sl.anchor.plane(staged.anchor, i), sl.residual.plane(staged.residual, i) if r else None,
                        layer_name=name)
+                sl.anchor.seal(staged.anchor, i, spec.req_id)  # checksums right after the layer is encoded
+                if r:
+                    sl.residual.seal(staged.residual, i, spec.req_id)
         except NonFiniteKVError as exc:
             logger.error("LynxConnector: request %s not sent: %s", spec.req_id, exc)
             self.source.reject(spec.req_id, "nonfinite_kv", f"P's KV of the request is not finite: {exc}")
@@ -233,7 +246,7 @@ class LynxConnectorWorker:
             self.stats.record_failure("encode")
             return
         self.source.publish(spec.req_id)
-        self.stats.record_encode(a * n_layers, r * n_layers, time.perf_counter() - t0)
+        self.stats.record_encode(a, r, time.perf_counter() - t0)
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """P: requests whose KV blocks may be freed (staged or given up, and finished in vLLM); after poll()."""
@@ -302,12 +315,17 @@ class LynxConnectorWorker:
         self._finished_recving.add(req_id)
         self.stats.record_failure("stage")
 
-    def _pull_nbytes(self, spec: RecvSpec) -> tuple[int, int]:
-        """Bytes of D's staging for a request's anchor and residual (all layers; residual 0 when not pulled)."""
-        a, r = self._plane_nbytes(spec.mode, spec.num_tokens)
+    def _pull_layout(self, spec: RecvSpec) -> StagedLayout:
+        """D's staging layout of a request (the residual empty when its mode never pulls it)."""
+        sl = self._plane_nbytes(spec.mode, spec.num_tokens)
         if not get_mode(spec.mode).pulls_residual:
-            r = 0  # decoding on the anchor alone: the residual is never pulled (P frees it with the rest)
-        return a * len(self.layers), r * len(self.layers)
+            sl = sl.without_residual()  # decoding on the anchor alone: P frees the residual with the rest
+        return sl
+
+    def _pull_nbytes(self, spec: RecvSpec) -> tuple[int, int]:
+        """Bytes of D's staging for a request's anchor and residual (all layers and their checksum trailers;
+        residual 0 when not pulled)."""
+        return self._pull_layout(spec).nbytes
 
     def _begin_pull(self, spec: RecvSpec, hooks: dict[str, Any]) -> bool:
         """Allocate D's staging for a request and start its pull; False when the pool has no room right now."""
@@ -328,18 +346,45 @@ class LynxConnectorWorker:
             self._finish_recv(rec, error=f"cannot pull: {exc}")
         return True
 
+    def _verify(self, rec: _Recv, stream: str) -> str | None:
+        """Check a plane that has just landed in D's staging, every layer, before any of it is decoded: its
+        checksums and (anchor) its metadata finite. The error naming the layer and plane, or None."""
+        assert self.layout is not None
+        spec = rec.spec
+        sl = self._pull_layout(spec)
+        plane = sl.anchor if stream == "anchor" else sl.residual
+        buf = rec.staged.anchor if stream == "anchor" else rec.staged.residual
+        flip = self._faults.flip_bit(spec.req_id, stream)  # test hook flip_bit: a corrupted READ
+        if flip is not None and plane.plane_nbytes:
+            layer, byte, bit = flip
+            plane.plane(buf, layer % plane.num_layers)[byte % plane.plane_nbytes] ^= 1 << bit
+        names = [n for n, _ in self.layers]
+        try:
+            plane.verify_all(buf, spec.remote_req_id, names)
+            if stream == "anchor":
+                codec = self._codec(spec.mode)
+                for i, name in enumerate(names):
+                    check_metadata(codec, plane.plane(buf, i), self.layout, spec.num_tokens,
+                                   layer_name=f"layer {i} ({name})")
+        except (IntegrityError, NonFiniteKVError) as exc:
+            return f"integrity check failed: {exc}"
+        except Exception as exc:  # malformed planes must fail this request, not the engine
+            logger.exception("LynxConnector: checking request %s's %s failed", spec.req_id, stream)
+            return f"integrity check failed: {exc}"
+        return None
+
     def _write_blocks(self, rec: _Recv, full: bool) -> None:
         assert self.layout is not None
         spec = rec.spec
         codec = self._codec(spec.mode)
-        a, r = self._plane_nbytes(spec.mode, spec.num_tokens)
+        sl = self._pull_layout(spec)
         anchor, residual = rec.staged.anchor, rec.staged.residual
         if full:
-            self._faults.corrupt(spec.req_id, residual)
+            self._faults.corrupt(spec.req_id, residual)  # after the checksum (test hook corrupt_residual)
         for i, (_, kv) in enumerate(self.layers):
-            pa = anchor[i * a:(i + 1) * a]
+            pa = sl.anchor.plane(anchor, i)
             if full:
-                merge_residual(codec, pa, residual[i * r:(i + 1) * r], kv, spec.block_ids, self.layout,
+                merge_residual(codec, pa, sl.residual.plane(residual, i), kv, spec.block_ids, self.layout,
                                spec.num_tokens, skip_blocks=spec.skip_blocks)
             else:
                 decode_anchor(codec, pa, kv, spec.block_ids, self.layout, spec.num_tokens,
@@ -370,12 +415,16 @@ class LynxConnectorWorker:
             if ev.stream == "anchor":
                 rec.anchor_landed = True
                 self.stats.record_stream("anchor", ev.nbytes, now)
+                bad = self._verify(rec, "anchor")
+                if bad is not None:
+                    self._finish_recv(rec, error=bad)
+                    continue
                 if mode.decodes_on_anchor:
                     self._apply(rec, full=False)
             else:
                 rec.residual_landed = True
                 self.stats.record_stream("residual", ev.nbytes, now)
-                fault = self._faults.residual_error(ev.req_id)
+                fault = self._faults.residual_error(ev.req_id) or self._verify(rec, "residual")
                 if fault is not None:
                     self._finish_recv(rec, error=fault)
                     continue

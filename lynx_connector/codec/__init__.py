@@ -2,19 +2,35 @@
 
 from lynx_connector.kernels.errors import KVRangeError, NonFiniteKVError
 
-from .api import decode_anchor, decode_full, encode, merge_residual, plane_nbytes
+from .api import check_metadata, decode_anchor, decode_full, encode, merge_residual, plane_nbytes
 from .base import Codec
+from .integrity import (
+    INTEGRITY_FORMAT,
+    TRAILER_NBYTES,
+    IntegrityError,
+    PlaneLayout,
+    StagedLayout,
+    checksum,
+    staged_layout,
+)
 from .layout import KVLayout, TileAddr, cpu_attn_isa
 from .registry import CODEC_NAMES, LYNX_DEFAULTS, get_codec
 
 __all__ = [
     "CODEC_NAMES",
     "Codec",
+    "INTEGRITY_FORMAT",
+    "IntegrityError",
     "KVLayout",
     "KVRangeError",
     "LYNX_DEFAULTS",
     "NonFiniteKVError",
+    "PlaneLayout",
+    "StagedLayout",
+    "TRAILER_NBYTES",
     "TileAddr",
+    "check_metadata",
+    "checksum",
     "cpu_attn_isa",
     "decode_anchor",
     "decode_full",
@@ -22,4 +38,5 @@ __all__ = [
     "get_codec",
     "merge_residual",
     "plane_nbytes",
+    "staged_layout",
 ]

@@ -172,9 +172,18 @@ def _decode(
     layout.scatter(kv_layer, block_ids, num_tokens - skip, k, v)
 
 
+def check_metadata(codec: Codec, anchor: torch.Tensor, layout: KVLayout, num_tokens: int, *,
+                   layer_name: str = "layer") -> None:
+    """D side, before decoding: raise ``NonFiniteKVError`` when the anchor plane's metadata (the fp16 scales and
+    minima of the group codecs, fp8's scales) is not finite, so such a plane never reaches the cache."""
+    if num_tokens:
+        codec.check_metadata(anchor, num_tokens, layout.num_heads, layout.head_size, layout.dtype, layer_name)
+
+
 def plane_nbytes(codec: Codec, layout: KVLayout, num_tokens: int) -> tuple[int, int]:
     """(anchor_nbytes, residual_nbytes) of one layer of a ``num_tokens``-token request."""
     return codec.plane_nbytes(num_tokens, layout.num_heads, layout.head_size, layout.dtype)
 
 
-__all__ = ["encode", "decode_anchor", "merge_residual", "decode_full", "plane_nbytes", "check_plane"]
+__all__ = ["encode", "decode_anchor", "merge_residual", "decode_full", "check_metadata", "plane_nbytes",
+           "check_plane"]

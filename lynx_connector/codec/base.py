@@ -40,6 +40,15 @@ class Codec(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V ``[T, H, D]``: anchor precision when ``residual`` is None, full precision otherwise."""
 
+    def check_metadata(
+        self, anchor: torch.Tensor, num_tokens: int, num_heads: int, head_size: int, cache_dtype: torch.dtype,
+        name: str,
+    ) -> None:
+        """Raise :class:`NonFiniteKVError` when the anchor plane's metadata (scales, minima) is not finite, so a
+        bad plane never turns into NaN or inf in D's cache. Default: no metadata (the lossless passthrough,
+        whose values P checked finite before encoding)."""
+        return None
+
     def bits_per_value(self, num_tokens: int, num_heads: int, head_size: int, cache_dtype: torch.dtype) -> tuple[float, float]:
         """Wire bits per K/V value (metadata included) of the (anchor, anchor + residual) planes."""
         a, r = self.plane_nbytes(num_tokens, num_heads, head_size, cache_dtype)

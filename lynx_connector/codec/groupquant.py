@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from lynx_connector.kernels.errors import NonFiniteKVError
 from lynx_connector.kernels.groupquant_ref import dequantize_ref, meta_shape, quantize_ref
 from lynx_connector.kernels.pack import pack_nibbles, unpack_nibbles
 
@@ -137,6 +138,18 @@ class GroupQuantCodec(Codec):
         self._encode_one(v, self.v_group, self.v_tokens, anchor[nk:], rv, f"{name}.v")
 
     # ---- decode ---------------------------------------------------------------------------------------
+    def check_metadata(self, anchor, num_tokens, num_heads, head_size, cache_dtype, name):  # type: ignore[override]
+        t, h, d = num_tokens, num_heads, head_size
+        anchor = check_plane(anchor, self.plane_nbytes(t, h, d, cache_dtype)[0], "anchor")
+        nk = self._tensor_nbytes(self.k_group, self.k_tokens, t, h, d)
+        for tag, buf, group, g in (("k", anchor[:nk], self.k_group, self.k_tokens),
+                                   ("v", anchor[nk:], self.v_group, self.v_tokens)):
+            _, scale, mn = self._split(buf, group, g, t, h, d)
+            for what, m in (("scale", scale), ("min", mn)):
+                if not bool(torch.isfinite(m).all()):
+                    raise NonFiniteKVError(f"{name}.{tag}: anchor plane {what} metadata is not finite; refusing "
+                                           f"to decode")
+
     def _decode_one(
         self, abuf: torch.Tensor, rbuf: torch.Tensor | None, group: str, g: int, t: int, h: int, d: int
     ) -> torch.Tensor:

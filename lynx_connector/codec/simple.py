@@ -66,6 +66,14 @@ class Fp8Codec(Codec):
             buf[:t * h * d].copy_(q.view(torch.uint8).view(-1))
             buf[t * h * d:].view(torch.float16).copy_(scale.view(-1))
 
+    def check_metadata(self, anchor, num_tokens, num_heads, head_size, cache_dtype, name):  # type: ignore[override]
+        t, h, d = num_tokens, num_heads, head_size
+        buf = check_plane(anchor, self.plane_nbytes(t, h, d, cache_dtype)[0], "anchor")
+        per = t * h * (d + 2)
+        for i, tag in enumerate("kv"):
+            if not bool(torch.isfinite(buf[i * per + t * h * d:(i + 1) * per].view(torch.float16)).all()):
+                raise NonFiniteKVError(f"{name}.{tag}: anchor plane scale metadata is not finite; refusing to decode")
+
     def decode_tokens(self, anchor, residual, num_tokens, num_heads, head_size, cache_dtype):  # type: ignore[override]
         t, h, d = num_tokens, num_heads, head_size
         buf = check_plane(anchor, self.plane_nbytes(t, h, d, cache_dtype)[0], "anchor")

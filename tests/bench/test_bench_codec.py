@@ -59,6 +59,29 @@ def test_report_table_shows_targets_and_verdicts() -> None:
     assert "missed: lynx_full vnmse_v" in text
 
 
+def test_checksum_row_next_to_memcpy() -> None:
+    rows = [_row("lynx_anchor", 4.5, 1e-3, 5e-3)]
+    for cks, ok in ((25.0, True), (15.0, False)):
+        checks = bench_codec.evaluate_targets(rows, 10.0, checksum_gbps=cks)
+        c = next(c for c in checks if c["row"] == "checksum")
+        assert c["metric"] == "checksum_gbps" and c["pass"] is ok and c["target"] == ">= 20"
+        result = {"rows": rows, "memcpy_gbps": 10.0, "checksum_gbps": cks, "checksum": "xxh3_64", "model": "m",
+                  "tokens": 512, "layers": 30, "kv_heads": 3, "head_size": 64, "cache_dtype": "float32",
+                  "block_size": 32, "gather_gbps": 1.0, "checks": checks}  # fmt: skip
+        text = bench_codec.format_report(result)
+        line = next(line for line in text.splitlines() if line.startswith("checksum (xxh3_64"))
+        assert f"{cks:.2f} (>= 20)" in line and f"{cks / 10:.2f}" in line
+        assert line.rstrip().endswith("PASS" if ok else "FAIL")
+        assert ("missed: checksum checksum_gbps" in text) is not ok
+    assert not any(c["row"] == "checksum" for c in bench_codec.evaluate_targets(rows, 10.0))
+
+
+def test_measure_checksum_runs_over_the_memcpy_bytes() -> None:
+    paged = bench_codec.PagedKV(layers=[None, None], block_ids=None, layout=None, num_tokens=1,
+                                kv_bytes_per_layer=1 << 16)  # fmt: skip
+    assert bench_codec.measure_checksum(paged, repeats=2) > 0
+
+
 def test_format_table_aligns_columns() -> None:
     out = common.format_table(["a", "bb"], [["x", 1], ["yyy", 22]]).splitlines()
     assert out == ["a    bb", "---  --", "x     1", "yyy  22"]

@@ -48,3 +48,16 @@ def test_worker_side_answers():
     f.forget("r")
     assert f.residual_error("r") is None and not f.defer_merge("r", 1, 2)
     assert fault_hooks(LynxConfig(fault_injection="corrupt_residual")).corrupt_all
+
+
+def test_flip_bit_hook_is_validated_and_answered_for_its_plane(monkeypatch):
+    monkeypatch.setenv(TEST_HOOKS_ENV, "1")
+    flip = {"plane": "anchor", "layer": 1, "byte": 40, "bit": 9}
+    assert pull_hooks({"flip_bit": flip}) == {"d-1": {"flip_bit": {"plane": "anchor", "layer": 1, "byte": 40,
+                                                                   "bit": 1}}}
+    assert pull_hooks({"flip_bit": {"plane": "kv", "layer": 0, "byte": 0, "bit": 0}}) == {}
+    assert pull_hooks({"flip_bit": {"plane": "anchor", "layer": -1, "byte": 0, "bit": 0}}) == {}
+    f = FaultHooks()
+    f.track("r", {"flip_bit": {"plane": "residual", "layer": 2, "byte": 5, "bit": 3}})
+    assert f.flip_bit("r", "anchor") is None and f.flip_bit("r", "residual") == (2, 5, 3)
+    assert fault_hooks(LynxConfig()).flip_bit("r", "residual") is None

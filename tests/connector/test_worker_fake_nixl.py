@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lynx_connector import worker as worker_mod
-from lynx_connector.codec import decode_anchor, encode, get_codec, merge_residual
+from lynx_connector.codec import decode_anchor, encode, get_codec, merge_residual, staged_layout
 from lynx_connector.config import LynxConfig
 from lynx_connector.metadata import LynxConnectorMetadata, RecvSpec, SaveSpec
 from lynx_connector.modes import get_mode
@@ -81,10 +81,12 @@ def expected(p_caches, mode: str, full: bool) -> dict[str, torch.Tensor]:
 
     layout = KVLayout.from_kv_cache(next(iter(p_caches.values())), block_size=BS, backend="cpu")
     codec = get_codec(get_mode(mode).codec)
-    a, r = codec.plane_nbytes(N, H, D, torch.float32)
+    sl = staged_layout(codec, layout, N, len(p_caches))  # the staging layout P and D use (checksum trailers)
+    a, r = sl.nbytes
+    anchor, residual = torch.zeros(a, dtype=torch.uint8), torch.zeros(r, dtype=torch.uint8)
     out = {}
-    for name, kv in p_caches.items():
-        pa, pr = torch.zeros(a, dtype=torch.uint8), torch.zeros(r, dtype=torch.uint8) if r else None
+    for i, (name, kv) in enumerate(p_caches.items()):
+        pa, pr = sl.anchor.plane(anchor, i), sl.residual.plane(residual, i) if r else None
         encode(codec, kv, P_BLOCKS, layout, N, pa, pr)
         ref = torch.zeros_like(kv)
         if full:
@@ -286,3 +288,151 @@ def test_staging_that_never_frees_fails_with_a_clear_error(pair):
     t0 = time.monotonic()
     poll_until([p, d], lambda: failed.update(d.take_results()[1]) or "d2" in failed)
     assert 1.9 <= time.monotonic() - t0 < 3.0 and d._recv_waiting == {}  # D's own bound: timeout_s = 2 s
+
+
+# ---- integrity (issue 14.4): checksums per layer per plane in staging, metadata finite -------------------------
+
+def load_errors(d) -> dict[str, str]:
+    """Record the error every pull of D ends with (req_id -> error; None on success)."""
+    errors: dict[str, str] = {}
+    real = d._finish_recv
+
+    def finish(rec, error, outcome="failed"):
+        errors[rec.spec.req_id] = error
+        real(rec, error, outcome)
+
+    d._finish_recv = finish
+    return errors
+
+
+def results_until(workers, d, pred) -> tuple[set[str], set[str]]:
+    done: set[str] = set()
+    failed: set[str] = set()
+
+    def step() -> bool:
+        a, b = d.take_results()
+        done.update(a)
+        failed.update(b)
+        return pred(done, failed)
+
+    poll_until(workers, step)
+    return done, failed
+
+
+def test_staging_holds_a_checksum_trailer_per_layer_per_plane(pair):
+    """P's regions and D's pulls are sized by the one layout function: planes + 8-byte trailers, per layer."""
+    make, _ = pair
+    (p, _), (d, _) = make("kv_producer"), make("kv_consumer")
+    codec = get_codec("lynx")
+    a, r = codec.plane_nbytes(N, H, D, torch.float32)
+    assert p._plane_nbytes("full", N).nbytes == (LAYERS * (a + 8), LAYERS * (r + 8))
+    assert d._pull_nbytes(recv_spec(p, "full")) == (LAYERS * (a + 8), LAYERS * (r + 8))
+    assert d._pull_nbytes(recv_spec(p, "anchor")) == (LAYERS * (a + 8), 0)  # the residual is never pulled
+    publish(p, "full")
+    staged = p.source.pool.get_request("p1")
+    sl = p._plane_nbytes("full", N)
+    for i in range(LAYERS):
+        sl.anchor.verify(staged.anchor, i, "p1")
+        sl.residual.verify(staged.residual, i, "p1")
+
+
+@pytest.mark.parametrize("mode", ["speculative", "anchor", "full", "int8", "fp8"])
+def test_bit_flip_in_an_anchor_fails_that_request_only_and_leaves_the_blocks(pair, mode):
+    """One bit flipped in layer 1's anchor in D's staging after the READ: that request fails (the failure policy
+    applies) with the layer and plane named, nothing is written into its blocks; a sound request beside it lands
+    byte-exact; staging is freed on both sides."""
+    make, _ = pair
+    (p, p_caches), (d, d_caches) = make("kv_producer"), make("kv_consumer")
+    errors = load_errors(d)
+    publish(p, mode, req="p1")
+    publish(p, mode, req="p2")
+    bad = {"flip_bit": {"plane": "anchor", "layer": 1, "byte": 37, "bit": 5}}
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, mode, req="d1", remote="p1")],
+                                       test_hooks={"d1": bad}))
+    done, failed = results_until([p, d], d, lambda done, failed: "d1" in done)
+    assert failed == {"d1"}
+    assert "layer 1 (layer.1) anchor plane fails its checksum" in errors["d1"], errors["d1"]
+    assert all(not d_caches[n].any() for n in d_caches)  # untouched: verified before any decode
+    spec2 = recv_spec(p, mode, req="d2", remote="p2")
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[spec2]))
+    done, failed = results_until([p, d], d, lambda done, failed: "d2" in done and "d2" not in d._recvs)
+    assert failed == set() and errors["d2"] is None
+    want = expected(p_caches, mode, full=get_mode(mode).pulls_residual)
+    assert all(torch.equal(d_caches[n], want[n]) for n in d_caches)
+    assert_staging_freed(p, d)
+
+
+def test_bit_flip_in_a_residual_fails_that_request(pair):
+    """Full mode: a flipped residual bit fails the request before the merge (nothing written)."""
+    make, _ = pair
+    (p, _), (d, d_caches) = make("kv_producer"), make("kv_consumer")
+    errors = load_errors(d)
+    publish(p, "full")
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, "full")], test_hooks={
+        "d1": {"flip_bit": {"plane": "residual", "layer": 0, "byte": 1000, "bit": 0}}}))
+    done, failed = results_until([p, d], d, lambda done, failed: "d1" in done)
+    assert failed == {"d1"}
+    assert "layer 0 (layer.0) residual plane fails its checksum" in errors["d1"], errors["d1"]
+    assert all(not d_caches[n].any() for n in d_caches)
+    assert_staging_freed(p, d)
+
+
+def test_bit_flip_in_a_speculative_residual_fails_the_merge_not_the_anchor(pair):
+    """Speculative: the anchor (sound) is decoded and reported; the residual failing its checksum is never
+    merged and is reported as residual_failed (the speculative scheduler applies the policy)."""
+    make, _ = pair
+    (p, p_caches), (d, d_caches) = make("kv_producer"), make("kv_consumer")
+    paced_events(d, 1)
+    errors = load_errors(d)
+    publish(p, "speculative")
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, "speculative")], test_hooks={
+        "d1": {"flip_bit": {"plane": "residual", "layer": 1, "byte": 3, "bit": 7}}}))
+    poll_until([p, d], lambda: d._recvs["d1"].anchor_landed)
+    assert d.take_results() == ({"d1"}, set())
+    poll_until([p, d], lambda: "d1" not in d._recvs)
+    assert "layer 1 (layer.1) residual plane fails its checksum" in errors["d1"]
+    assert d.take_worker_meta().residual_failed == {"d1"}
+    anchor = expected(p_caches, "speculative", full=False)
+    assert all(torch.equal(d_caches[n], anchor[n]) for n in d_caches)  # the anchor only: no corrupt merge
+    assert_staging_freed(p, d)
+
+
+@pytest.mark.parametrize("mode,value", [("full", float("nan")), ("anchor", float("inf")), ("int4", float("nan")),
+                                        ("fp8", float("nan"))])
+def test_nonfinite_metadata_is_rejected_before_decoding(pair, monkeypatch, mode, value):
+    """A scale that is not finite (here written by P before it seals the layer, so the checksum holds) fails the
+    request on D before any decode: never NaN in D's cache."""
+    make, _ = pair
+    (p, _), (d, d_caches) = make("kv_producer"), make("kv_consumer")
+    errors = load_errors(d)
+    real_encode = worker_mod.encode
+    codec = get_codec(get_mode(mode).codec)
+
+    def encode_bad_scale(codec_, kv, block_ids, layout, num_tokens, anchor_out, residual_out=None, **kw):
+        real_encode(codec_, kv, block_ids, layout, num_tokens, anchor_out, residual_out, **kw)
+        if kw.get("layer_name") == "layer.1":
+            codes = N * H * D if mode == "fp8" else N * H * D * codec.bits // 8  # K's codes, then K's scales
+            anchor_out[codes + 2:codes + 4].view(torch.float16)[0] = value
+
+    monkeypatch.setattr(worker_mod, "encode", encode_bad_scale)
+    publish(p, mode)
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, mode)]))
+    done, failed = results_until([p, d], d, lambda done, failed: "d1" in done)
+    assert failed == {"d1"}
+    assert "layer 1 (layer.1).k: anchor plane scale metadata is not finite" in errors["d1"], errors["d1"]
+    assert all(not d_caches[n].any() for n in d_caches)
+    assert_staging_freed(p, d)
+
+
+def test_a_peer_without_the_same_integrity_format_fails_the_handshake(pair):
+    """P and D must stage the same trailers: the format is one of the compat fields, so a mismatch is named."""
+    make, _ = pair
+    (p, _), (d, _) = make("kv_producer"), make("kv_consumer")
+    assert p.source.compat["integrity"] == d.sink.compat["integrity"] == "xxh3_64/trailer8/v1"
+    p.source.compat["integrity"] = "none"
+    errors = load_errors(d)
+    publish(p, "full")
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, "full")]))
+    done, failed = results_until([p, d], d, lambda done, failed: "d1" in done)
+    assert failed == {"d1"} and "integrity" in errors["d1"], errors["d1"]
+    assert d.sink.pool.regions_live == 0 and d._recvs == {}

@@ -7,6 +7,8 @@
    anchor alone, and both planes in one pass with ``decode_full``), gather back and compare: bits per value on the wire (metadata included), vNMSE =
    ||x - x_hat||^2 / ||x||^2 pooled over all layers, for K and for V, and encode/decode GB/s (bytes of the source KV
    per second) next to a plain memcpy of the same bytes measured in the same run.
+4. The integrity checksum P and D run on every staged plane (xxh3_64, ``codec/integrity.py``) over the same bytes
+   as the memcpy: its GB/s next to memcpy's (issue 14's target: >= 2x memcpy).
 
 Prints a table with the issue's targets and writes JSON with ``--out``.
 """
@@ -35,6 +37,7 @@ TARGET_ANCHOR_K_VS_INT4 = 0.3
 TARGET_ANCHOR_V_VS_INT4 = 0.8
 TARGET_ANCHOR_BITS = 4.6
 TARGET_THROUGHPUT_VS_MEMCPY = 0.25
+TARGET_CHECKSUM_VS_MEMCPY = 2.0  # issue 14.4: the checksum must cost well under a copy of the same bytes
 
 DEFAULT_TOKENS = 2048
 QUICK_TOKENS = 512
@@ -148,6 +151,23 @@ def measure_memcpy(paged: PagedKV, repeats: int, clock: str = "wall") -> float:
             dst.copy_(s)
 
     return common.gbps(nbytes * len(paged.layers), common.best_time(copy_all, repeats=repeats, clock=clock))
+
+
+def measure_checksum(paged: PagedKV, repeats: int, clock: str = "wall") -> float:
+    """GB/s of the integrity checksum (the function P's seal and D's verify call) over the bytes ``measure_memcpy``
+    copies, one call per layer like the codecs."""
+    import torch
+
+    from lynx_connector.codec.integrity import checksum
+
+    nbytes = paged.kv_bytes_per_layer
+    srcs = [torch.randint(0, 255, (nbytes,), dtype=torch.uint8) for _ in paged.layers]
+
+    def hash_all() -> None:
+        for i, src in enumerate(srcs):
+            checksum(src, i)
+
+    return common.gbps(nbytes * len(paged.layers), common.best_time(hash_all, repeats=repeats, clock=clock))
 
 
 def measure_gather(paged: PagedKV, repeats: int, clock: str = "wall") -> float:
@@ -287,8 +307,11 @@ def bench_codec(
     return [anchor_row, full_row]
 
 
-def evaluate_targets(rows: list[dict[str, Any]], memcpy_gbps: float) -> list[dict[str, Any]]:
-    """The issue's targets as ``{"row", "metric", "measured", "target", "pass"}`` checks."""
+def evaluate_targets(
+    rows: list[dict[str, Any]], memcpy_gbps: float, checksum_gbps: float | None = None
+) -> list[dict[str, Any]]:
+    """The issue's targets as ``{"row", "metric", "measured", "target", "pass"}`` checks (``checksum_gbps``:
+    the integrity checksum's row, when measured)."""
     by = {r["codec"]: r for r in rows}
     checks: list[dict[str, Any]] = []
 
@@ -316,6 +339,10 @@ def evaluate_targets(rows: list[dict[str, Any]], memcpy_gbps: float) -> list[dic
                     {"row": name, "metric": metric, "measured": measured, "target": f">= {floor:.3g}",
                      "pass": bool(measured >= floor)}
                 )  # fmt: skip
+    if checksum_gbps is not None:
+        floor = TARGET_CHECKSUM_VS_MEMCPY * memcpy_gbps
+        checks.append({"row": "checksum", "metric": "checksum_gbps", "measured": checksum_gbps,
+                       "target": f">= {floor:.3g}", "pass": bool(checksum_gbps >= floor)})  # fmt: skip
     return checks
 
 
@@ -365,6 +392,16 @@ def format_report(result: dict[str, Any]) -> str:
     table = common.format_table(
         ["codec", "bits/value", "vNMSE K", "vNMSE V", "encode GB/s", "decode GB/s", "targets"], table_rows
     )
+    cks = result.get("checksum_gbps")
+    if cks is not None:
+        c = checks.get(("checksum", "checksum_gbps"))
+        target = "" if c is None else f" ({c['target']})"
+        table += "\n" + common.format_table(
+            ["reference row", "GB/s", "x memcpy", "targets"],
+            [["memcpy", f"{memcpy:.2f}", "1.00", "-"],
+             [f"checksum ({result.get('checksum', 'xxh3_64')}, per layer per plane)", f"{cks:.2f}{target}",
+              f"{cks / memcpy:.2f}", "-" if c is None else ("PASS" if c["pass"] else "FAIL")]],
+        )  # fmt: skip
     failed = [c for c in result["checks"] if not c["pass"]]
     tail = "\nall targets met\n" if not failed else (
         "\nmissed: " + "; ".join(f"{c['row']} {c['metric']} {c['measured']:.3g} (target {c['target']})"
@@ -430,6 +467,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # memcpy is re-measured next to every codec (CI boxes are shared and noisy); the best is the reference,
         # which makes the codec/memcpy ratios conservative.
         memcpy_samples = [measure_memcpy(paged, repeats, clock)]
+        checksum_samples = [measure_checksum(paged, repeats, clock)]
         gather_gbps = measure_gather(paged, repeats, clock)
         rows: list[dict[str, Any]] = []
         done: set[str] = set()
@@ -441,6 +479,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             got = bench_codec(codec_name, paged, ref, repeats, clock)
             memcpy_samples.append(measure_memcpy(paged, repeats, clock))
+            checksum_samples.append(measure_checksum(paged, repeats, clock))
             rows.extend(r for r in got if r["codec"] in wanted)
             logger.info("codec %s done in %.1f s", codec_name, time.perf_counter() - t0)
     finally:
@@ -453,6 +492,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rows": rows,
         "memcpy_gbps": memcpy_gbps,
         "memcpy_gbps_samples": memcpy_samples,
+        # the integrity checksum of the staged planes over the same bytes as memcpy (best of the samples)
+        "checksum": "xxh3_64",
+        "checksum_gbps": max(checksum_samples),
+        "checksum_gbps_samples": checksum_samples,
         "gather_gbps": gather_gbps,
         "model": captured.model,
         "tokens": captured.tokens,
@@ -471,7 +514,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "checks": [],
         "capture_s": captured.capture_s,
     }
-    result["checks"] = evaluate_targets(rows, memcpy_gbps)
+    result["checks"] = evaluate_targets(rows, memcpy_gbps, result["checksum_gbps"])
     result["wall_s"] = time.perf_counter() - t_start
     result.update(common.environment_info())
     report = format_report(result)
