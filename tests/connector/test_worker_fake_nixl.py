@@ -15,7 +15,7 @@ import torch
 from lynx_connector import worker as worker_mod
 from lynx_connector.codec import decode_anchor, encode, get_codec, merge_residual
 from lynx_connector.config import LynxConfig
-from lynx_connector.metadata import LynxConnectorMetadata, RecvSpec, SaveSpec
+from lynx_connector.metadata import LynxConnectorMetadata, RecvSpec, SaveSpec, mint_ticket
 from lynx_connector.modes import get_mode
 from lynx_connector.transport import TransferSink, TransferSource
 from tests.transport.fakes import FakeFabric, FakeNixlWrapper
@@ -61,9 +61,16 @@ def publish(p, mode: str, req: str = "p1") -> None:
 
 
 def recv_spec(p, mode: str, req: str = "d1", remote: str = "p1") -> RecvSpec:
+    """What D's scheduler half builds from P's kv_transfer_params: P's transfer id and token of ``remote``
+    (fresh random ones for a request P does not know)."""
     host, port = p.source.address
+    try:
+        tid, token = p.source.ticket(remote)
+    except KeyError:
+        tid, token = mint_ticket()
     return RecvSpec(req_id=req, block_ids=D_BLOCKS, num_tokens=N, skip_blocks=0, remote_host=host,
-                    remote_ports=(port,), remote_req_id=remote, remote_engine_id="e-kv_producer", mode=mode)
+                    remote_ports=(port,), remote_req_id=remote, remote_engine_id="e-kv_producer", mode=mode,
+                    transfer_id=tid, token=token)
 
 
 def poll_until(workers, pred: Callable[[], bool], timeout: float = 10.0) -> None:
