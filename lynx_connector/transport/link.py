@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from lynx_connector.logger import init_logger
 from lynx_connector.transport import protocol as proto
@@ -41,6 +42,8 @@ class PeerLink:
         self.opened_at = 0.0  # when the current connection was opened
         self.asked_at = 0.0  # when the first message still awaiting an answer was sent
         self.reconnects = 0
+        self.connects = 0  # TCP connections zmq has established on the current socket
+        self.monitor: zmq.Socket | None = None
         self.sock = self._open()
 
     @property
@@ -53,10 +56,28 @@ class PeerLink:
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self._max_bytes)
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        # zmq re-establishes a dropped TCP connection by itself, silently: the monitor tells D, which must then
+        # handshake again before trusting any answer (P may have restarted on the same address)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self._poller.register(self.monitor, zmq.POLLIN)
         sock.connect(f"tcp://{self.addr[0]}:{self.addr[1]}")
         self._poller.register(sock, zmq.POLLIN)
         self.opened_at = time.monotonic()
+        self.connects = 0
         return sock
+
+    def reconnected(self) -> bool:
+        """Drain the monitor; True when zmq connected again after the first connection of this socket."""
+        again = False
+        while self.monitor is not None:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self.connects += 1
+                again = again or self.connects > 1
+        return again
 
     def silent_for(self, now: float) -> float:
         """How long the peer has left a message unanswered on the current connection (0 when it owes nothing):
@@ -103,10 +124,17 @@ class PeerLink:
             yield frame
 
     def _close_socket(self, linger_ms: int) -> None:
-        try:
-            self._poller.unregister(self.sock)
-        except KeyError:
-            pass
+        for s in (self.sock, self.monitor):
+            if s is None:
+                continue
+            try:
+                self._poller.unregister(s)
+            except KeyError:
+                pass
+        self.sock.disable_monitor()
+        if self.monitor is not None:
+            self.monitor.close(linger=0)
+            self.monitor = None
         self.sock.close(linger=linger_ms)
 
     def close(self, linger_ms: int = 0) -> None:

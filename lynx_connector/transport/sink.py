@@ -205,6 +205,9 @@ class TransferSink:
         if self._waker.receiver in ready:
             self._waker.drain()
         for peer in list(self._peers.values()):
+            if peer.monitor in ready and peer.reconnected() and self._peers.get(peer.addr) is peer:
+                logger.info("lynx sink: connection to %s re-established: handshaking again", peer.name)
+                self._rehandshake(peer)
             if peer.sock in ready and self._peers.get(peer.addr) is peer:
                 self._drain_peer(peer)
         self._process_sched_events()
@@ -250,6 +253,12 @@ class TransferSink:
                        peer.name, peer.silent_for(now), len(self._pulls_of(peer)))
         peer.reopen()
         self._reconnects += 1
+        self._rehandshake(peer)
+
+    def _rehandshake(self, peer: PeerLink) -> None:
+        """Handshake again before any further answer is trusted (after a reconnect, or when zmq re-established a
+        dropped TCP connection: a P restarted there has a new NIXL agent and no staging of the old one)."""
+        peer.state = "hello"
         for pull in self._pulls_of(peer):
             if pull.state == "query":
                 pull.state, pull.sent_at, pull.retry_at = "wait_peer", None, None
@@ -344,8 +353,11 @@ class TransferSink:
         ]
 
     def _on_reply(self, peer: PeerLink, msg: proto.Message) -> None:
-        if isinstance(msg, proto.HelloOk) and peer.state == "hello":
-            self._on_hello(peer, msg)
+        if isinstance(msg, proto.HelloOk):
+            if peer.state == "hello":
+                self._on_hello(peer, msg)
+            else:  # the answer to a Hello sent again (re-sent or reconnected) after the first was answered
+                logger.debug("side channel from %s: HelloOk after the handshake, ignored", peer.name)
         elif isinstance(msg, proto.Error) and not msg.req_id:
             what = "handshake rejected" if peer.state == "hello" else "error"
             self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]} {what} ({msg.code}): {msg.message}")
