@@ -91,6 +91,9 @@ class LynxConfig:
     #: A folder where each worker's transport writes its live counters (staging, pulls, requests waiting for
     #: staging) as JSON about once a second, also while the engine is idle (benchmarks, debugging); null = off.
     status_dir: str | None = None
+    #: Run the side channel without the deployment key (LYNX_SIDE_CHANNEL_KEY_FILE / LYNX_SIDE_CHANNEL_KEY):
+    #: unauthenticated, anyone who reaches P's port can read staged KV. Local tests only; logged as a warning.
+    insecure_side_channel: bool = False
 
     def __post_init__(self) -> None:
         if not is_mode(self.mode):
@@ -148,6 +151,13 @@ class LynxConfig:
         if "status_dir" in extra:
             sd = extra["status_dir"]
             kw["status_dir"] = None if sd in (None, "") else str(sd)
+        if "insecure_side_channel" in extra:
+            val = extra["insecure_side_channel"]
+            if isinstance(val, str) and val.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
+                val = val.strip().lower() in ("true", "1", "yes")
+            if not isinstance(val, bool):
+                raise LynxConfigError(f"insecure_side_channel: expected true or false, got {val!r}")
+            kw["insecure_side_channel"] = val
         if "fault_injection" in extra:
             fi = extra["fault_injection"]
             kw["fault_injection"] = None if fi in (None, "", "none") else str(fi)

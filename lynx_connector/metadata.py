@@ -7,6 +7,7 @@ executor) and kv_transfer_params cross the network through the proxy, so they ar
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from lynx_connector.modes import MODE_NAMES, is_mode
 
 #: Version of the kv_transfer_params / side-channel contract; D refuses a P that speaks another one.
-LYNX_PARAMS_VERSION = 1
+LYNX_PARAMS_VERSION = 2
+#: Length of a transfer id and of a capability token (16 random bytes, hex; protocol v2).
+TICKET_HEX_LEN = 32
+
+
+def mint_ticket() -> tuple[str, str]:
+    """A new (transfer_id, token) for a request P serves: 16 random bytes each, hex."""
+    return secrets.token_hex(16), secrets.token_hex(16)
+
+
+def is_ticket_part(value: object) -> bool:
+    return (isinstance(value, str) and len(value) == TICKET_HEX_LEN
+            and all(c in "0123456789abcdef" for c in value))
 
 
 @dataclass
@@ -30,6 +43,10 @@ class SaveSpec:
     block_ids: list[int]
     num_tokens: int
     mode: str
+    #: The request's transfer id and capability token (minted by P's scheduler half, sent to D in
+    #: kv_transfer_params); D must present both to query or free the staging.
+    transfer_id: str = ""
+    token: str = ""
 
 
 @dataclass
@@ -50,6 +67,9 @@ class RecvSpec:
     remote_req_id: str
     remote_engine_id: str
     mode: str
+    #: P's transfer id and capability token of the request (``lynx_transfer_id`` / ``lynx_token``).
+    transfer_id: str = ""
+    token: str = ""
 
     def port_for_rank(self, tp_rank: int) -> int:
         """The side-channel port of P's worker that holds this D worker's shard of the KV."""
@@ -119,6 +139,9 @@ class RemotePrefill:
     ports: tuple[int, ...]
     num_tokens: int
     mode: str
+    #: P's transfer id and capability token (32 hex chars each): what D presents on P's side channel.
+    transfer_id: str
+    token: str
     #: The token P sampled after the prompt (full-precision KV), when it sampled one. A speculative D releases
     #: it as soon as the anchor lands (lynx_connector.speculative.scheduler); the other modes ignore it.
     first_token: int | None = None
@@ -135,6 +158,8 @@ class RemotePrefill:
             "remote_num_tokens": self.num_tokens,
             "lynx_mode": self.mode,
             "lynx_version": LYNX_PARAMS_VERSION,
+            "lynx_transfer_id": self.transfer_id,
+            "lynx_token": self.token,
         }
         if self.first_token is not None:
             params["lynx_first_token"] = self.first_token
@@ -173,8 +198,13 @@ class RemotePrefill:
             raise InvalidTransferParams(f"lynx_mode {mode!r} is not one of {', '.join(MODE_NAMES)}")
         if not (0 < len(host) <= 255 and 0 < len(request_id) <= 1024 and 0 < len(engine_id) <= 256):
             raise InvalidTransferParams("remote_host/remote_request_id/remote_engine_id empty or too long")
+        transfer_id, token = params.get("lynx_transfer_id"), params.get("lynx_token")
+        for key, val in (("lynx_transfer_id", transfer_id), ("lynx_token", token)):
+            if not is_ticket_part(val):
+                raise InvalidTransferParams(f"{key} must be {TICKET_HEX_LEN} lower-case hex characters")
         first = params.get("lynx_first_token")
         if first is not None and (not isinstance(first, int) or isinstance(first, bool) or not 0 <= first < 2**31):
             raise InvalidTransferParams(f"lynx_first_token must be a token id, got {first!r}")
         return cls(engine_id=engine_id, request_id=request_id, host=host, ports=tuple(ports),
-                   num_tokens=num_tokens, mode=mode, first_token=first)
+                   num_tokens=num_tokens, mode=mode, transfer_id=transfer_id, token=token,
+                   first_token=first)

@@ -44,7 +44,7 @@ class SaveQueue:
         return len(self._waiting)
 
     def submit(self, spec: SaveSpec) -> None:
-        self._source.expect(spec.req_id)
+        self._source.expect(spec.req_id, spec.transfer_id or None, spec.token or None)
         if self._waiting or not self._try(spec):  # behind others already waiting: keep the order
             self._waiting[spec.req_id] = (spec, self._clock() + self._wait_s)
             logger.info("LynxConnector: staging full, request %s (%d tokens) waits for room (%d waiting)",

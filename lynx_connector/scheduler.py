@@ -35,6 +35,7 @@ from lynx_connector.metadata import (
     RecvSpec,
     RemotePrefill,
     SaveSpec,
+    mint_ticket,
 )
 from lynx_connector.modes import MODE_NAMES, get_mode, is_mode
 from lynx_connector.testing import fault_hooks
@@ -63,6 +64,8 @@ class LynxConnectorScheduler:
         self._save_mode: dict[str, str] = {}
         self._saved: set[str] = set()
         self._save_aborted: list[str] = []
+        # P: each saved request's (transfer_id, token), minted here, handed to the workers and returned to D
+        self._save_ticket: dict[str, tuple[str, str]] = {}
         # D: local prefix-hit tokens seen by get_num_new_matched_tokens; pulls to start; pulls in flight.
         self._local_hits: dict[str, int] = {}
         self._recv_pending: list[RecvSpec] = []
@@ -155,6 +158,8 @@ class LynxConnectorScheduler:
             remote_req_id=remote.request_id,
             remote_engine_id=remote.engine_id,
             mode=mode,
+            transfer_id=remote.transfer_id,
+            token=remote.token,
         )
         self._recv_pending.append(spec)
         if num_tokens:
@@ -230,8 +235,9 @@ class LynxConnectorScheduler:
             assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
             n_blocks = -(-req.num_prompt_tokens // self.block_size)
             block_ids = list(self._kv_cache_manager.get_block_ids(req_id)[0][:n_blocks])
+            tid, token = self._save_ticket[req_id] = mint_ticket()
             meta.reqs_to_save.append(SaveSpec(req_id=req_id, block_ids=block_ids, num_tokens=req.num_prompt_tokens,
-                                              mode=self._save_mode[req_id]))
+                                              mode=self._save_mode[req_id], transfer_id=tid, token=token))
             self._saved.add(req_id)
         return meta
 
@@ -270,6 +276,7 @@ class LynxConnectorScheduler:
         mode = self._save_mode.pop(req_id, self.config.mode)
         saved = req_id in self._saved
         self._saved.discard(req_id)
+        ticket = self._save_ticket.pop(req_id, None)
         finished_ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         if not saved:
             if finished_ok:
@@ -292,6 +299,8 @@ class LynxConnectorScheduler:
             ports=tuple(self._side_channel_ports),
             num_tokens=request.num_prompt_tokens,
             mode=mode,
+            transfer_id=ticket[0] if ticket else "",
+            token=ticket[1] if ticket else "",
             first_token=request.output_token_ids[0] if request.num_output_tokens else None,
         )
         return True, remote.to_params()

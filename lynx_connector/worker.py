@@ -58,7 +58,13 @@ from lynx_connector.modes import LYNX_CODEC, get_mode
 from lynx_connector.saving import SaveQueue
 from lynx_connector.stats import LynxStats
 from lynx_connector.testing import fault_hooks
-from lynx_connector.transport import StagingFullError, TransferSink, TransferSource, TransportConfig
+from lynx_connector.transport import (
+    StagingFullError,
+    TransferSink,
+    TransferSource,
+    TransportConfig,
+    load_side_channel_key,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -104,6 +110,8 @@ class LynxConnectorWorker:
         self._residual_failed: set[str] = set()
         self._step = 0  # poll() calls, one per engine step
         self._faults = fault_hooks(config)  # test-only (lynx_connector.testing)
+        # The side channel's deployment key, read once at start-up (a missing or bad key fails start-up here)
+        self._key = load_side_channel_key(insecure=config.insecure_side_channel)
 
     # ---- start-up -------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -148,6 +156,7 @@ class LynxConnectorWorker:
             host=self.config.side_channel_host,
             port=self.config.side_channel_port + self.tp_rank if self.config.side_channel_port else 0,
             pool_bytes=self.config.staging_mb << 20,
+            key=self._key,
         )
         name = f"lynx-{self.engine_id}-tp{self.tp_rank}"
         if self.is_producer:
@@ -226,7 +235,8 @@ class LynxConnectorWorker:
             self.source.reject(spec.req_id, "too_large", msg)
             self.stats.record_failure("stage")
             return
-        staged = self.source.alloc(spec.req_id, a, r)
+        staged = self.source.alloc(spec.req_id, a, r, transfer_id=spec.transfer_id or None,
+                                   token=spec.token or None)
         try:
             for i, (name, kv) in enumerate(self.layers):
                 encode(codec, kv, spec.block_ids, self.layout, spec.num_tokens,
@@ -340,7 +350,7 @@ class LynxConnectorWorker:
         self._faults.track(spec.req_id, hooks)
         try:
             port = spec.port_for_rank(self.tp_rank)
-            self.sink.pull(spec.req_id, spec.remote_host, port, spec.remote_req_id,
+            self.sink.pull(spec.req_id, spec.remote_host, port, spec.transfer_id, spec.token,
                            staged.anchor, staged.residual if r else None)
         except ValueError as exc:
             self._finish_recv(rec, error=f"cannot pull: {exc}")

@@ -131,7 +131,7 @@ def test_config_and_presets_accept_only_the_table():
 def test_wire_params_accept_exactly_the_table():
     from lynx_connector.metadata import InvalidTransferParams, RemotePrefill
 
-    base = RemotePrefill(engine_id="e", request_id="r", host="h", ports=(5600,), num_tokens=16, mode="full",
+    base = RemotePrefill(transfer_id="a" * 32, token="b" * 32, engine_id="e", request_id="r", host="h", ports=(5600,), num_tokens=16, mode="full",
                          first_token=None).to_params()
     for name in MODE_NAMES:
         assert RemotePrefill.from_params({**base, "lynx_mode": name}).mode == name

@@ -99,6 +99,12 @@ serve() {  # serve NAME PORT CPUS KV_CONFIG: the launcher's environment and `lyn
   start "$name" "$cpus" env "${env_set[@]}" "$LYNX" "${ARGS[@]}"
 }
 
+# P and D must share the side channel's deployment key (docs/OPERATIONS.md "Security"): the caller's, else a
+# random one for this pair (inherited by both servers)
+if [[ -z "${LYNX_SIDE_CHANNEL_KEY:-}${LYNX_SIDE_CHANNEL_KEY_FILE:-}" ]]; then
+  LYNX_SIDE_CHANNEL_KEY=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')
+  export LYNX_SIDE_CHANNEL_KEY
+fi
 serve prefill "$P_PORT" "${P_CPUS:-}" "$(kv_config "$SIDE_PORT")"
 P_PID=${PIDS[-1]}
 serve decode "$D_PORT" "${D_CPUS:-}" "$(kv_config 0)"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing as mp
 import os
+import secrets
 import traceback
 from typing import Any
 
@@ -27,6 +28,9 @@ ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # the side channel's deployment key: one random key per harness process, shared by every engine it starts
+    # (P and D must hold the same; docs/OPERATIONS.md "Security")
+    "LYNX_SIDE_CHANNEL_KEY": secrets.token_hex(32),
 }
 
 #: The engine settings every harness user starts from (CPU, fp32, eager, the launcher's block size).

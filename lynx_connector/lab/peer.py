@@ -4,6 +4,7 @@
   ("stage", [(req_id, anchor_nbytes, residual_nbytes, seed), ...], publish: bool) -> ("ok", {req_id: crc})
   ("publish", [req_id, ...]) -> ("ok", None)
   ("stats",) -> ("ok", stats dict incl. process cpu_s)      ("freed",) -> ("ok", [req ids freed so far])
+  ("tickets", [req_id, ...]) -> ("ok", {req_id: (transfer_id, token)})   what D's pull needs (protocol v2)
   ("stop",) -> ("ok", None) and exit
 The payload of a staged request is pseudo-random bytes from `seed` (`payload(n, seed)`), so the other side
 can check byte-exactness without shipping it; a negative seed fills a constant instead (benches, no crc).
@@ -72,6 +73,8 @@ def _main(conn: Connection, cfg: dict[str, Any], compat: dict[str, Any]) -> None
                 conn.send(("ok", None))
             elif cmd[0] == "stats":
                 conn.send(("ok", {**src.stats(), "process_cpu_s": time.process_time() - cpu0}))
+            elif cmd[0] == "tickets":
+                conn.send(("ok", {r: src.ticket(r) for r in cmd[1]}))
             elif cmd[0] == "freed":
                 conn.send(("ok", list(freed)))
             elif cmd[0] == "stop":

@@ -2,10 +2,12 @@
 region in a registered pool; D pulls them (anchor first, across all requests) with its own scheduler.
 
     from lynx_connector.transport import TransportConfig, TransferSource, TransferSink
+    cfg = TransportConfig(key=load_side_channel_key())  # the deployment key (None: insecure, tests only)
     src = TransferSource(cfg, compat)                 # P: st = src.alloc(req, a, r); encode into st.anchor /
                                                       #    st.residual; src.publish(req); src.poll() -> freed ids
+                                                      #    tid, token = src.ticket(req): sent to D
     sink = TransferSink(cfg, compat)                  # D: v = sink.pool.alloc_request(req, a, r)
-    sink.pull(req, host, port, remote_req, v.anchor, v.residual); sink.poll() -> [TransferEvent]
+    sink.pull(req, host, port, tid, token, v.anchor, v.residual); sink.poll() -> [TransferEvent]
 
 Settings chosen on the 2-core CPU box (NIXL 1.5.1 / UCX 1.23, measured; see ``lynx bench transfer``):
 * NIXL progress thread OFF (``progress_thread=False``): with it on, each idle agent burned ~0.3 of a core
@@ -27,6 +29,7 @@ Settings chosen on the 2-core CPU box (NIXL 1.5.1 / UCX 1.23, measured; see ``ly
 
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.events import ANCHOR, RESIDUAL, TransferEvent
+from lynx_connector.transport.keys import SideChannelKeyError, load_side_channel_key
 from lynx_connector.transport.nixl_wrapper import NixlUnavailableError, NixlWrapper, nixl_available
 from lynx_connector.transport.pool import StagedRequest, StagingFullError, StagingPool
 from lynx_connector.transport.protocol import ProtocolError, compat_hash
@@ -39,6 +42,7 @@ __all__ = [
     "NixlUnavailableError",
     "NixlWrapper",
     "ProtocolError",
+    "SideChannelKeyError",
     "StagedRequest",
     "StagingFullError",
     "StagingPool",
@@ -47,5 +51,6 @@ __all__ = [
     "TransferSource",
     "TransportConfig",
     "compat_hash",
+    "load_side_channel_key",
     "nixl_available",
 ]

@@ -43,7 +43,11 @@ class TransportConfig:
     burst_s: token-bucket capacity in seconds of the link rate: lets the posting thread catch up after it woke
         late (on the loaded 2-core box 5 ms lost up to half the rate at 25 Gb/s; 20 ms holds >= 95%). Each
         busy period starts with one chunk of credit, so the rate over any window is <= link + one chunk.
-    max_message_bytes: side-channel messages larger than this are rejected unread.
+    max_message_bytes: inbound side-channel messages larger than this are rejected unread (64 KiB: P's inbound
+        messages are small; D accepts at least a HelloOk with P's NIXL metadata, ``protocol.MAX_MD``).
+    key: the deployment key (>= 32 bytes, `lynx_connector.transport.keys.load_side_channel_key`) that
+        authenticates the side channel; None = insecure (local tests only; both ends must agree).
+    rcvhwm: zmq receive high-water mark of P's side channel (messages queued before zmq drops).
     resend_s: D sends a Hello or Query again when it got no answer this long (both are idempotent; zmq drops
         messages when a connection is reset or a queue is full, and nothing else would ever ask again).
     retry_max_s: cap of D's exponential back-off between queries of a request P does not have ready yet
@@ -71,17 +75,19 @@ class TransportConfig:
     retry_s: float = 0.005
     anchor_holdoff_s: float = 0.02
     burst_s: float = 0.02
-    max_message_bytes: int = 1 << 20
+    max_message_bytes: int = 64 << 10
     resend_s: float = 0.5
     retry_max_s: float = 0.1
     reconnect_s: float = 2.0
     unknown_grace_s: float = 2.0
     status_path: str | None = None
+    key: bytes | None = field(default=None, repr=False)
+    rcvhwm: int = 1000
 
     def __post_init__(self) -> None:
         if self.link_gbps is not None:
             _positive_float("link_gbps", self.link_gbps)
-        for name in ("chunk_bytes", "window_bytes", "pool_bytes", "num_workers", "max_message_bytes"):
+        for name in ("chunk_bytes", "window_bytes", "pool_bytes", "num_workers", "max_message_bytes", "rcvhwm"):
             _positive_int(name, getattr(self, name))
         if self.window_bytes < self.chunk_bytes:
             raise ValueError(
@@ -103,6 +109,8 @@ class TransportConfig:
             raise ValueError(f"TransportConfig.host must be a non-empty string, got {self.host!r}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"TransportConfig.backend must be a non-empty string, got {self.backend!r}")
+        if self.key is not None and (not isinstance(self.key, bytes) or len(self.key) < 32):
+            raise ValueError("TransportConfig.key must be None (insecure) or bytes of length >= 32")
         if not isinstance(self.progress_thread, bool):
             raise ValueError(f"TransportConfig.progress_thread must be a bool, got {self.progress_thread!r}")
         if not isinstance(self.backend_params, dict) or not all(

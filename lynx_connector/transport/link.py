@@ -1,5 +1,6 @@
-"""D's control-path state: the side-channel connection to one P (`PeerLink`: a zmq DEALER socket, the
-handshake state and liveness), one pull's state (`PullState`) and the Dones owed to peers (`DoneCourier`).
+"""D's control-path state: the side-channel connection to one P (`PeerLink`: a zmq DEALER socket, the handshake
+and session state (protocol v2: Hello -> Challenge -> Auth -> HelloOk, then sealed frames) and liveness), one
+pull's state (`PullState`) and the Dones owed to peers (`DoneCourier`).
 
 The sink's service thread owns every link (zmq sockets are not thread-safe). A link can be re-opened: a new
 socket, hence a new zmq identity and TCP connection, for a peer that stopped answering; the NIXL agent added
@@ -8,6 +9,8 @@ for the peer is kept across that (`agent`), so transfers in flight are not affec
 
 from __future__ import annotations
 
+import hmac
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,10 +33,17 @@ MAX_FRAMES_PER_DRAIN = 256
 
 
 class PeerLink:
-    def __init__(self, ctx: zmq.Context, poller: zmq.Poller, addr: Addr, max_message_bytes: int) -> None:
+    def __init__(self, ctx: zmq.Context, poller: zmq.Poller, addr: Addr, max_message_bytes: int,
+                 key: bytes | None = None) -> None:
         self.addr = addr
         self._ctx, self._poller, self._max_bytes = ctx, poller, max_message_bytes
-        self.state = "hello"  # hello -> ready; failed once dropped
+        self._key = key if key is not None else b""  # insecure: an empty key, same protocol
+        self.state = "hello"  # hello (Hello sent) -> auth (Auth sent) -> ready; failed once dropped
+        self.nonce_d = secrets.token_bytes(16)  # one per connection: a re-sent Hello is the same Hello
+        self.skey = b""
+        self.opener: proto.Opener | None = None
+        self.send_seq = 0
+        self.session_id = b""  # of the current (or last) session: sent as Auth.resume after a reconnect
         self.agent = ""  # NIXL name of the peer's agent once added
         self.pool_addr = 0
         self.pool_nbytes = 0
@@ -92,25 +102,50 @@ class PeerLink:
             return None
         return max(self.asked_at, self.opened_at) + reconnect_s
 
-    def send(self, msg: proto.Message) -> None:
-        """Send one message (every message D sends is answered by P)."""
+    def _send_frame(self, frame: bytes) -> None:
+        """Send one frame (every frame D sends is answered by P)."""
         now = time.monotonic()
         if self.heard_at >= self.asked_at:  # the first question since P last spoke starts the silence clock
             self.asked_at = now
         try:
-            self.sock.send(proto.encode(msg), zmq.NOBLOCK)
+            self.sock.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # a full queue: the message is re-sent by the sink's timers
             logger.warning("side channel to %s: send failed: %s", self.name, exc)
 
-    def hello(self, compat: dict) -> None:
+    def send(self, msg: proto.Message) -> None:
+        """Send a message inside the session (sealed); before the handshake reached Auth, nothing is sent."""
+        if self.opener is None:
+            return
+        self.send_seq += 1
+        self._send_frame(proto.seal(self.skey, proto.D_TO_P, self.send_seq, proto.encode(msg)))
+
+    def hello(self, compat_hash: str) -> None:
+        """Send (or send again: the same nonce) the Hello of the current connection."""
         self.hello_at = time.monotonic()
-        self.send(proto.Hello(v=proto.VERSION, compat=compat))
+        self._send_frame(proto.encode(proto.Hello(v=proto.VERSION, nonce_d=self.nonce_d, compat_hash=compat_hash)))
+
+    def on_challenge(self, msg: proto.Challenge) -> bool:
+        """Check P's proof of the key; on success derive the session key. False: P does not hold our key."""
+        if not hmac.compare_digest(msg.proof_p, proto.proof_p(self._key, self.nonce_d, msg.nonce_p)):
+            return False
+        self.skey = proto.session_key(self._key, self.nonce_d, msg.nonce_p)
+        self.opener = proto.Opener(self.skey, proto.P_TO_D)
+        self._proof_d = proto.proof_d(self._key, self.nonce_d, msg.nonce_p)
+        self.state = "auth"
+        return True
+
+    def auth(self, compat: dict) -> None:
+        """Send (or send again) Auth, sealed with the session key."""
+        self.hello_at = time.monotonic()
+        self.send(proto.Auth(v=proto.VERSION, proof_d=self._proof_d, compat=compat, resume=self.session_id))
 
     def reopen(self) -> None:
-        """A fresh socket (identity, TCP connection) for the same address; the handshake starts again."""
+        """A fresh socket (identity, TCP connection) for the same address; the full handshake starts again."""
         self._close_socket(0)
         self.sock = self._open()
         self.state = "hello"
+        self.nonce_d = secrets.token_bytes(16)
+        self.skey, self.opener, self.send_seq = b"", None, 0
         self.reconnects += 1
 
     def frames(self) -> Iterator[bytes]:
@@ -154,7 +189,8 @@ class PeerLink:
 class PullState:
     req_id: str
     addr: Addr
-    remote_req_id: str
+    transfer_id: str
+    token: str
     anchor: tuple[int, int]  # (local addr, nbytes)
     residual: tuple[int, int] | None
     t0: float
@@ -179,30 +215,37 @@ class DoneCourier:
 
     def __init__(self, resend_s: float, give_up_s: float) -> None:
         self._resend_s, self._give_up_s = resend_s, give_up_s
-        self._owed: dict[tuple[Addr, str], list[float]] = {}  # -> [next send, interval, give up at]
+        self._owed: dict[tuple[Addr, str], list[float]] = {}  # (peer, transfer id) -> [next send, interval, give up at]
+        self._tokens: dict[tuple[Addr, str], str] = {}
 
     def __len__(self) -> int:
         return len(self._owed)
 
-    def owe(self, addr: Addr, req_id: str, now: float) -> None:
-        self._owed[(addr, req_id)] = [now + self._resend_s, self._resend_s, now + self._give_up_s]
+    def owe(self, addr: Addr, ticket: tuple[str, str], now: float) -> None:
+        """``ticket``: (transfer id, token) of the Done."""
+        key = (addr, ticket[0])
+        self._owed[key] = [now + self._resend_s, self._resend_s, now + self._give_up_s]
+        self._tokens[key] = ticket[1]
 
-    def ack(self, addr: Addr, req_id: str) -> None:
-        self._owed.pop((addr, req_id), None)
+    def ack(self, addr: Addr, transfer_id: str) -> None:
+        self._owed.pop((addr, transfer_id), None)
+        self._tokens.pop((addr, transfer_id), None)
 
     def owed_to(self, addr: Addr) -> bool:
         return any(a == addr for a, _ in self._owed)
 
-    def due(self, now: float) -> list[tuple[Addr, str]]:
-        """The Dones to send again now (the ones past their give-up time are forgotten)."""
+    def due(self, now: float) -> list[tuple[Addr, tuple[str, str]]]:
+        """The Dones to send again now, as (peer, (transfer id, token)); those past their give-up time are
+        forgotten."""
         out = []
         for key, st in list(self._owed.items()):
             if now >= st[2]:
                 del self._owed[key]
+                self._tokens.pop(key, None)
             elif now >= st[0]:
                 st[1] = min(2 * st[1], self.MAX_INTERVAL_S)
                 st[0] = now + st[1]
-                out.append(key)
+                out.append((key[0], (key[1], self._tokens[key])))
         return out
 
     def next_time(self) -> float | None:

@@ -1,36 +1,61 @@
-"""Side-channel wire protocol (zmq ROUTER on P, DEALER on D): versioned msgpack messages via msgspec.
+"""Side-channel wire protocol v2 (zmq ROUTER on P, DEALER on D): versioned msgpack messages via msgspec,
+an HMAC handshake over the deployment key and a MAC on every frame of a session (docs/PROTOCOL.md 1 and 2).
 
 Every frame from the network is size-checked before decoding, decoded into a closed set of typed messages
 (msgspec validates field types and ranges), and version-checked; anything else raises `ProtocolError`.
 Nothing is ever unpickled. One message per zmq frame (DEALER sends [payload]; ROUTER sees [identity, payload]).
 
-  D -> P  Hello(compat)          P -> D  HelloOk(agent metadata, pool descriptor, compat hash) | Error
-  D -> P  Query(req_id)          P -> D  Regions(req_id, offsets, sizes) | NotReady(req_id) | Error
-  D -> P  Done(req_id)           P -> D  Ack(req_id)
+  D -> P  Hello(nonce_d, compat_hash)                      P -> D  Challenge(nonce_p, proof_p)  | Error
+  D -> P  Auth(proof_d, compat, resume)        (sealed)    P -> D  HelloOk(agent md, pool, session_id) (sealed)
+  D -> P  Query(transfer_id, token)            (sealed)    P -> D  Regions | NotReady | Error      (sealed)
+  D -> P  Done(transfer_id, token)             (sealed)    P -> D  Ack | Error                    (sealed)
+
+Hello, Challenge and any Error to a peer without a session are plain msgpack. Every other frame is *sealed*
+(`seal`/`Opener`): ``0xC1 | payload | seq (u64, big endian) | HMAC(S, direction | seq | payload)[:16]`` with
+the session key ``S`` of the handshake (0xC1 is never the first byte of a msgpack message).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import struct
 from typing import Annotated, Any
 
 import msgspec
 
 __all__ = [
-    "VERSION", "ProtocolError", "Hello", "HelloOk", "Query", "Regions", "NotReady", "Done", "Ack", "Error",
-    "Message", "encode", "decode", "compat_hash", "compat_diff",
+    "VERSION", "ProtocolError", "Hello", "Challenge", "Auth", "HelloOk", "Query", "Regions", "NotReady", "Done",
+    "Ack", "Error", "Message", "encode", "decode", "compat_hash", "compat_diff", "proof_p", "proof_d",
+    "session_key", "seal", "Opener", "SEALED", "P_TO_D", "D_TO_P", "HEX_ID_LEN", "is_hex_id",
 ]
 
-VERSION = 1
+VERSION = 2
 MAX_ID = 512
 MAX_MD = 1 << 20
+HEX_ID_LEN = 32  # transfer ids and tokens: 16 random bytes, hex
 U64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 I64 = Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)]
-ReqId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID)]
+HexId = Annotated[str, msgspec.Meta(min_length=HEX_ID_LEN, max_length=HEX_ID_LEN, pattern="^[0-9a-f]+$")]
+Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+Mac32 = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 Ver = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 CompatValue = str | int | float | bool | None
 Compat = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], CompatValue], msgspec.Meta(max_length=64)]
+
+SEALED = 0xC1
+P_TO_D = b"p"
+D_TO_P = b"d"
+_SEQ = struct.Struct(">Q")
+TAG_BYTES = 16
+SEAL_OVERHEAD = 1 + _SEQ.size + TAG_BYTES
+
+
+def is_hex_id(value: object) -> bool:
+    """A transfer id or token: exactly 32 lower-case hex characters."""
+    return (isinstance(value, str) and len(value) == HEX_ID_LEN
+            and all(c in "0123456789abcdef" for c in value))
 
 
 class ProtocolError(ValueError):
@@ -42,7 +67,20 @@ class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
 
 
 class Hello(_Msg, tag="hello"):
+    nonce_d: Nonce
+    compat_hash: Annotated[str, msgspec.Meta(min_length=64, max_length=64)]
+
+
+class Challenge(_Msg, tag="challenge"):
+    nonce_p: Nonce
+    proof_p: Mac32
+
+
+class Auth(_Msg, tag="auth"):
+    proof_d: Mac32
     compat: Compat
+    #: session_id of D's previous session with this P (after a reconnect): its transfers stay D's.
+    resume: Annotated[bytes, msgspec.Meta(max_length=16)] = b""
 
 
 class HelloOk(_Msg, tag="hello_ok"):
@@ -51,14 +89,16 @@ class HelloOk(_Msg, tag="hello_ok"):
     pool_addr: U64
     pool_nbytes: U64
     compat_hash: Annotated[str, msgspec.Meta(min_length=64, max_length=64)]
+    session_id: Nonce
 
 
 class Query(_Msg, tag="query"):
-    req_id: ReqId
+    transfer_id: HexId
+    token: HexId
 
 
 class Regions(_Msg, tag="regions"):
-    req_id: ReqId
+    transfer_id: HexId
     anchor_offset: U64
     anchor_nbytes: U64
     residual_offset: I64
@@ -66,24 +106,25 @@ class Regions(_Msg, tag="regions"):
 
 
 class NotReady(_Msg, tag="not_ready"):
-    req_id: ReqId
+    transfer_id: HexId
 
 
 class Done(_Msg, tag="done"):
-    req_id: ReqId
+    transfer_id: HexId
+    token: HexId
 
 
 class Ack(_Msg, tag="ack"):
-    req_id: ReqId
+    transfer_id: HexId
 
 
 class Error(_Msg, tag="error"):
     code: Annotated[str, msgspec.Meta(max_length=64)]
     message: Annotated[str, msgspec.Meta(max_length=4096)]
-    req_id: Annotated[str, msgspec.Meta(max_length=MAX_ID)] = ""
+    transfer_id: Annotated[str, msgspec.Meta(max_length=HEX_ID_LEN)] = ""
 
 
-Message = Hello | HelloOk | Query | Regions | NotReady | Done | Ack | Error
+Message = Hello | Challenge | Auth | HelloOk | Query | Regions | NotReady | Done | Ack | Error
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -94,7 +135,7 @@ def encode(msg: Message) -> bytes:
 
 
 def decode(frame: bytes, max_bytes: int) -> Message:
-    """Validate and decode one frame; raises `ProtocolError` with a reason."""
+    """Validate and decode one plain frame (or a sealed frame's payload); raises `ProtocolError` with a reason."""
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"frame must be bytes, got {type(frame).__name__}")
     if len(frame) > max_bytes:
@@ -102,10 +143,70 @@ def decode(frame: bytes, max_bytes: int) -> Message:
     try:
         msg = _decoder.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        version = _peek_version(frame)
+        if version is not None and version != VERSION:
+            raise ProtocolError(f"unsupported protocol version {version} (this side speaks {VERSION})") from None
         raise ProtocolError(f"malformed message: {exc}") from None
     if msg.v != VERSION:
         raise ProtocolError(f"unsupported protocol version {msg.v} (this side speaks {VERSION})")
     return msg
+
+
+def _peek_version(frame: bytes) -> int | None:
+    """The ``v`` of a frame that is a msgpack map but not a valid v2 message (a v1 peer), else None."""
+    try:
+        obj = msgspec.msgpack.decode(frame)
+    except Exception:
+        return None
+    v = obj.get("v") if isinstance(obj, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+# ---- handshake and sealed frames ------------------------------------------------------------------
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
+
+
+def proof_p(key: bytes, nonce_d: bytes, nonce_p: bytes) -> bytes:
+    """P's proof of the deployment key: HMAC(K, "lynx/p" | nonce_d | nonce_p)."""
+    return _mac(key, b"lynx/p", nonce_d, nonce_p)
+
+
+def proof_d(key: bytes, nonce_d: bytes, nonce_p: bytes) -> bytes:
+    """D's proof of the deployment key: HMAC(K, "lynx/d" | nonce_p | nonce_d)."""
+    return _mac(key, b"lynx/d", nonce_p, nonce_d)
+
+
+def session_key(key: bytes, nonce_d: bytes, nonce_p: bytes) -> bytes:
+    """S = HMAC(K, "lynx/session" | nonce_d | nonce_p)."""
+    return _mac(key, b"lynx/session", nonce_d, nonce_p)
+
+
+def seal(skey: bytes, direction: bytes, seq: int, payload: bytes) -> bytes:
+    """A sealed frame: 0xC1 | payload | seq | HMAC(S, direction | seq | payload)[:16]."""
+    s = _SEQ.pack(seq)
+    return bytes([SEALED]) + payload + s + _mac(skey, direction, s, payload)[:TAG_BYTES]
+
+
+class Opener:
+    """Checks the sealed frames of one direction of a session: MAC, then a strictly increasing seq."""
+
+    def __init__(self, skey: bytes, direction: bytes) -> None:
+        self._key, self._dir = skey, direction
+        self.last_seq = 0
+
+    def open(self, frame: bytes) -> tuple[str, bytes]:
+        """("ok", payload), ("bad_mac", b"") or ("replayed", b"") (an old or repeated seq)."""
+        if len(frame) < SEAL_OVERHEAD or frame[0] != SEALED:
+            return "bad_mac", b""
+        payload, s, tag = frame[1:-TAG_BYTES - _SEQ.size], frame[-TAG_BYTES - _SEQ.size:-TAG_BYTES], frame[-TAG_BYTES:]
+        if not hmac.compare_digest(tag, _mac(self._key, self._dir, s, payload)[:TAG_BYTES]):
+            return "bad_mac", b""
+        seq = _SEQ.unpack(s)[0]
+        if seq <= self.last_seq:
+            return "replayed", b""
+        self.last_seq = seq
+        return "ok", bytes(payload)
 
 
 def compat_hash(compat: dict[str, Any]) -> str:

@@ -2,7 +2,9 @@
 
 A single service thread owns the NIXL agent, the per-peer zmq DEALER sockets and the `TransferScheduler`;
 caller threads only enqueue commands (pull / release / abort) and read events. Per peer address the
-handshake (agent metadata, pool descriptor, compat hash) is done once and cached; a failed READ drops the
+authenticated handshake (protocol v2: D and P prove the deployment key, then every frame carries a MAC and a
+sequence number; P sends its agent metadata, pool descriptor and compat hash) is done once and the session
+cached; a pull names its request by P's transfer id and token (from kv_transfer_params); a failed READ drops the
 peer from the cache so the next pull re-handshakes. Every pulled stream yields exactly one `TransferEvent`
 (unless aborted); control steps (handshake, region query, NotReady retries) give up after `timeout_s`.
 When a request's streams have all finished (ok or not) the sink tells P "done" so it frees its staging;
@@ -43,6 +45,10 @@ logger = init_logger(__name__)
 
 __all__ = ["TransferSink"]
 
+KEY_HINT = ("LYNX_SIDE_CHANNEL_KEY_FILE / LYNX_SIDE_CHANNEL_KEY must hold the same key on every prefill and decode "
+            "instance, and insecure_side_channel must be set on both or neither")
+
+
 class TransferSink:
     """D-side endpoint; one per worker process. `pool` is D's registered staging (caller allocates in it)."""
 
@@ -80,6 +86,8 @@ class TransferSink:
         self._resent = 0  # Hello/Query messages sent again for want of an answer
         self._courier = DoneCourier(config.resend_s, config.lease_s)
         self._reconnects = 0
+        self._security = {"bad_mac": 0, "replayed": 0, "sessions_lost": 0, "handshakes": 0}
+        self._max_in = max(config.max_message_bytes, proto.MAX_MD + 4096)  # a HelloOk carries P's NIXL metadata
         self._stop = False
         self._status = StatusWriter(config.status_path,
                                     lambda: {"sink": self.stats(), **(status_extra() if status_extra else {})})
@@ -92,14 +100,18 @@ class TransferSink:
         req_id: str,
         host: str,
         port: int,
-        remote_req_id: str,
+        transfer_id: str,
+        token: str,
         anchor_out: torch.Tensor,
         residual_out: torch.Tensor | None,
     ) -> None:
-        """Queue a pull of `remote_req_id` from the source at host:port into views of `self.pool`."""
-        for what, val in (("req_id", req_id), ("remote_req_id", remote_req_id)):
-            if not isinstance(val, str) or not 0 < len(val) <= proto.MAX_ID:
-                raise ValueError(f"{what} must be a non-empty str of at most {proto.MAX_ID} chars")
+        """Queue a pull of P's request `transfer_id` (presenting its `token`) from the source at host:port into
+        views of `self.pool`."""
+        if not isinstance(req_id, str) or not 0 < len(req_id) <= proto.MAX_ID:
+            raise ValueError(f"req_id must be a non-empty str of at most {proto.MAX_ID} chars")
+        for what, val in (("transfer_id", transfer_id), ("token", token)):
+            if not proto.is_hex_id(val):
+                raise ValueError(f"{what} must be {proto.HEX_ID_LEN} lower-case hex characters")
         if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
             raise ValueError(f"bad peer address {host!r}:{port!r}")
         a = (self.pool.base_addr + self.pool.offset_of(anchor_out), int(anchor_out.numel()))
@@ -113,7 +125,8 @@ class TransferSink:
                 raise ValueError(f"request {req_id!r} is already being pulled")
             self._active.add(req_id)
         now = time.monotonic()
-        self._cmd(("pull", PullState(req_id, (host, port), remote_req_id, a, r, now, now + self.config.timeout_s)))
+        self._cmd(("pull", PullState(req_id, (host, port), transfer_id, token, a, r, now,
+                                     now + self.config.timeout_s)))
 
     def poll(self) -> list[TransferEvent]:
         """Events since the last poll."""
@@ -138,6 +151,7 @@ class TransferSink:
             "resent": self._resent,
             "dones_owed": len(self._courier),
             "reconnects": self._reconnects,
+            **self._security,
             "chunks_posted": self._sched.stats.chunks_posted,
             "bytes_done": self._sched.stats.bytes_done,
             "max_inflight_bytes": self._sched.stats.max_inflight_bytes,
@@ -206,8 +220,9 @@ class TransferSink:
             self._waker.drain()
         for peer in list(self._peers.values()):
             if peer.monitor in ready and peer.reconnected() and self._peers.get(peer.addr) is peer:
-                logger.info("lynx sink: connection to %s re-established: handshaking again", peer.name)
-                self._rehandshake(peer)
+                # zmq re-established a dropped TCP connection by itself: whoever answers there now (P restarted on
+                # the same address?) gets a full handshake before any answer is trusted
+                self._reconnect(peer, time.monotonic(), why="connection re-established by zmq")
             if peer.sock in ready and self._peers.get(peer.addr) is peer:
                 self._drain_peer(peer)
         self._process_sched_events()
@@ -241,41 +256,36 @@ class TransferSink:
             self._query(pull)
 
     def _connect(self, addr: Addr) -> PeerLink:
-        peer = PeerLink(self._ctx, self._poller, addr, self.config.max_message_bytes)
+        peer = PeerLink(self._ctx, self._poller, addr, self._max_in, self.config.key)
         self._peers[addr] = peer
-        peer.hello(self.compat)
+        peer.hello(self.compat_hash)
         return peer
 
-    def _reconnect(self, peer: PeerLink, now: float) -> None:
-        """A fresh connection and handshake for a peer that stopped answering; its NIXL agent stays added
-        (transfers in flight go on), waiting pulls are queried again once the handshake is answered."""
-        logger.warning("lynx sink: peer %s silent for %.1fs with %d pulls waiting: reconnecting",
-                       peer.name, peer.silent_for(now), len(self._pulls_of(peer)))
+    def _reconnect(self, peer: PeerLink, now: float, why: str | None = None) -> None:
+        """A fresh connection and full handshake for a peer that stopped answering (or lost our session); its
+        NIXL agent stays added (transfers in flight go on), waiting pulls are queried again once the handshake is
+        answered; the new session resumes the old one (P keeps our transfers ours)."""
+        logger.warning("lynx sink: peer %s %s with %d pulls waiting: reconnecting", peer.name,
+                       why or f"silent for {peer.silent_for(now):.1f}s", len(self._pulls_of(peer)))
         peer.reopen()
         self._reconnects += 1
-        self._rehandshake(peer)
-
-    def _rehandshake(self, peer: PeerLink) -> None:
-        """Handshake again before any further answer is trusted (after a reconnect, or when zmq re-established a
-        dropped TCP connection: a P restarted there has a new NIXL agent and no staging of the old one)."""
-        peer.state = "hello"
         for pull in self._pulls_of(peer):
             if pull.state == "query":
                 pull.state, pull.sent_at, pull.retry_at = "wait_peer", None, None
-        peer.hello(self.compat)
+        peer.hello(self.compat_hash)
 
     def _query(self, pull: PullState) -> None:
         pull.state = "query"
         pull.retry_at = None
         pull.sent_at = time.monotonic()
-        self._peers[pull.addr].send(proto.Query(v=proto.VERSION, req_id=pull.remote_req_id))
+        self._peers[pull.addr].send(proto.Query(v=proto.VERSION, transfer_id=pull.transfer_id, token=pull.token))
 
     def _send_done(self, pull: PullState) -> None:
         """Tell P to free; the Done is owed (sent again) until P acknowledges it."""
-        self._courier.owe(pull.addr, pull.remote_req_id, time.monotonic())
+        self._courier.owe(pull.addr, (pull.transfer_id, pull.token), time.monotonic())
         peer = self._peers.get(pull.addr)
         if peer is not None:
-            peer.send(proto.Done(v=proto.VERSION, req_id=pull.remote_req_id))
+            peer.send(proto.Done(v=proto.VERSION, transfer_id=pull.transfer_id, token=pull.token))
 
     def _forget(self, req_id: str) -> None:
         with self._ev_lock:
@@ -303,9 +313,9 @@ class TransferSink:
                 timers.append(pull.retry_at)
             if pull.sent_at is not None:
                 timers.append(pull.sent_at + cfg.resend_s)
-        for addr, req_id in self._courier.due(now):  # Dones P has not acknowledged yet
+        for addr, (tid, token) in self._courier.due(now):  # Dones P has not acknowledged yet
             peer = self._peers.get(addr) or self._connect(addr)
-            peer.send(proto.Done(v=proto.VERSION, req_id=req_id))
+            peer.send(proto.Done(v=proto.VERSION, transfer_id=tid, token=token))  # sent once the session is up
         nxt = self._courier.next_time()
         if nxt is not None:
             timers.append(nxt)
@@ -315,20 +325,23 @@ class TransferSink:
                 continue
             if peer.silent_for(now) >= cfg.reconnect_s:
                 self._reconnect(peer, now)
-            elif peer.state == "hello" and now - peer.hello_at >= cfg.resend_s:
+            elif peer.state in ("hello", "auth") and now - peer.hello_at >= cfg.resend_s:
                 self._resent += 1
-                peer.hello(self.compat)
+                if peer.state == "hello":
+                    peer.hello(self.compat_hash)
+                else:
+                    peer.auth(self.compat)
             deadline = peer.silence_deadline(cfg.reconnect_s)
             if deadline is not None:
                 timers.append(deadline)
-            if peer.state == "hello":
+            if peer.state in ("hello", "auth"):
                 timers.append(peer.hello_at + cfg.resend_s)
         return None if not timers else max(0.0, min(timers) - now)
 
     def _expire(self, pull: PullState) -> None:
         """A pull's own deadline passed before its transfer started: fail it (only it). A peer that never
         answered anything since then and serves no other pull is dropped, so the next pull starts afresh."""
-        err = (f"peer {pull.addr[0]}:{pull.addr[1]} did not serve {pull.remote_req_id!r} "
+        err = (f"peer {pull.addr[0]}:{pull.addr[1]} did not serve transfer {pull.transfer_id[:8]}… of {pull.req_id!r} "
                f"within {self.config.timeout_s}s (last answer: {pull.last_reply})")
         self._fail(pull, err)
         peer = self._peers.get(pull.addr)
@@ -337,36 +350,76 @@ class TransferSink:
 
     def _drain_peer(self, peer: PeerLink) -> None:
         for frame in peer.frames():
-            try:
-                msg = proto.decode(frame, self.config.max_message_bytes)
-            except proto.ProtocolError as exc:
-                logger.warning("side channel from %s: rejected a malformed reply: %s", peer.name, exc)
-                continue
-            self._on_reply(peer, msg)
-            if peer.addr not in self._peers:
+            if frame[:1] == bytes([proto.SEALED]):
+                verdict, payload = peer.opener.open(frame) if peer.opener is not None else ("bad_mac", b"")
+                if verdict != "ok":
+                    self._security[verdict] += 1
+                    logger.warning("side channel from %s: dropped a frame (%s)", peer.name, verdict)
+                    continue
+                try:
+                    msg = proto.decode(payload, self._max_in)
+                except proto.ProtocolError as exc:
+                    logger.warning("side channel from %s: rejected a malformed reply: %s", peer.name, str(exc)[:200])
+                    continue
+                self._on_reply(peer, msg)
+            else:
+                try:
+                    msg = proto.decode(frame, self._max_in)
+                except proto.ProtocolError as exc:
+                    logger.warning("side channel from %s: rejected a malformed reply: %s", peer.name, str(exc)[:200])
+                    continue
+                self._on_plain(peer, msg)
+            if self._peers.get(peer.addr) is not peer:
                 return
 
-    def _pulls_of(self, peer: PeerLink, remote_req_id: str | None = None) -> list[PullState]:
+    def _pulls_of(self, peer: PeerLink, transfer_id: str | None = None) -> list[PullState]:
         return [
             p for p in self._pulls.values()
-            if p.addr == peer.addr and (remote_req_id is None or p.remote_req_id == remote_req_id)
+            if p.addr == peer.addr and (transfer_id is None or p.transfer_id == transfer_id)
         ]
+
+    def _on_plain(self, peer: PeerLink, msg: proto.Message) -> None:
+        """Frames outside a session: P's Challenge, or its Error to a peer without a (valid) session."""
+        where = f"{peer.addr[0]}:{peer.addr[1]}"
+        if isinstance(msg, proto.Challenge):
+            if peer.state != "hello":
+                return  # the answer to a re-sent Hello: the first one was taken
+            if not peer.on_challenge(msg):
+                self._fail_peer(peer, f"side-channel handshake with {where} failed: the prefill instance did not "
+                                f"prove this deployment's key ({KEY_HINT})")
+                return
+            peer.auth(self.compat)
+            return
+        if not isinstance(msg, proto.Error):
+            logger.warning("side channel from %s: unexpected %s outside a session", where, type(msg).__name__)
+            return
+        if peer.state == "ready" and msg.code == "refused":
+            # P no longer knows our session (restarted, or dropped it): a fresh connection and full handshake
+            self._security["sessions_lost"] += 1
+            self._reconnect(peer, time.monotonic(), why="lost our session")
+            return
+        if msg.code == "refused":
+            what = ("refused our proof of the deployment key or found the KV layout/codec incompatible (P's log "
+                    f"says which; {KEY_HINT})" if peer.state == "auth" else
+                    f"refused the handshake ({KEY_HINT}; P's log says why)")
+            self._fail_peer(peer, f"side-channel handshake with {where} failed: the prefill instance {what}")
+            return
+        self._fail_peer(peer, f"peer {where} rejected the side channel ({msg.code}): {msg.message[:200]}")
 
     def _on_reply(self, peer: PeerLink, msg: proto.Message) -> None:
         if isinstance(msg, proto.HelloOk):
-            if peer.state == "hello":
+            if peer.state == "auth":
                 self._on_hello(peer, msg)
-            else:  # the answer to a Hello sent again (re-sent or reconnected) after the first was answered
+            else:  # the answer to a handshake sent again (re-sent or reconnected) after the first was answered
                 logger.debug("side channel from %s: HelloOk after the handshake, ignored", peer.name)
-        elif isinstance(msg, proto.Error) and not msg.req_id:
-            what = "handshake rejected" if peer.state == "hello" else "error"
-            self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]} {what} ({msg.code}): {msg.message}")
+        elif isinstance(msg, proto.Error) and not msg.transfer_id:
+            self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]} error ({msg.code}): {msg.message[:200]}")
         elif isinstance(msg, (proto.Regions, proto.NotReady, proto.Error)):
-            for pull in self._pulls_of(peer, msg.req_id):
+            for pull in self._pulls_of(peer, msg.transfer_id):
                 if pull.state == "query":
                     self._on_query_reply(pull, peer, msg)
         elif isinstance(msg, proto.Ack):
-            self._courier.ack(peer.addr, msg.req_id)
+            self._courier.ack(peer.addr, msg.transfer_id)
         else:
             logger.warning("side channel from %s:%s: unexpected %s", *peer.addr, type(msg).__name__)
 
@@ -386,6 +439,8 @@ class TransferSink:
                 self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]}: bad NIXL metadata: {exc}")
                 return
         peer.state, peer.pool_addr, peer.pool_nbytes = "ready", msg.pool_addr, msg.pool_nbytes
+        peer.session_id = msg.session_id
+        self._security["handshakes"] += 1
         logger.info("lynx sink: handshake with %s:%s done (agent %s%s)", *peer.addr, peer.agent,
                     ", reconnected" if peer.reconnects else "")
         for pull in self._pulls_of(peer):
@@ -402,14 +457,14 @@ class TransferSink:
             elif pull.unknown_since is None:
                 pull.unknown_since = now
             elif now - pull.unknown_since >= cfg.unknown_grace_s:  # P publishes before it answers: final
-                self._fail(pull, f"peer {peer.addr[0]}:{peer.addr[1]} does not have {pull.remote_req_id!r} "
+                self._fail(pull, f"peer {peer.addr[0]}:{peer.addr[1]} does not have transfer {pull.transfer_id[:8]}… of {pull.req_id!r} "
                            f"(for {cfg.unknown_grace_s:g}s: its lease ran out, P restarted, or it was never staged)")
                 return
             pull.backoff = min(cfg.retry_max_s, max(cfg.retry_s, 2 * pull.backoff))
             pull.retry_at = now + pull.backoff
             return
         if isinstance(msg, proto.Error):
-            self._fail(pull, f"peer {peer.addr[0]}:{peer.addr[1]} refused {pull.remote_req_id!r} "
+            self._fail(pull, f"peer {peer.addr[0]}:{peer.addr[1]} refused {pull.req_id!r} "
                        f"({msg.code}): {msg.message}")
             return
         assert isinstance(msg, proto.Regions)
@@ -417,7 +472,7 @@ class TransferSink:
         # remote residual is then not read, whatever its size; otherwise both sizes must match exactly.
         want_r = msg.residual_nbytes if pull.residual is None else pull.residual[1]
         if msg.anchor_nbytes != pull.anchor[1] or msg.residual_nbytes != want_r:
-            self._fail(pull, f"size mismatch for {pull.remote_req_id!r}: remote anchor/residual "
+            self._fail(pull, f"size mismatch for {pull.req_id!r}: remote anchor/residual "
                        f"{msg.anchor_nbytes}/{msg.residual_nbytes} bytes, local views {pull.anchor[1]}/{want_r}")
             return
         for off, n in ((msg.anchor_offset, msg.anchor_nbytes), (msg.residual_offset, msg.residual_nbytes)):

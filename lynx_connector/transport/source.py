@@ -1,21 +1,32 @@
 """P side: `TransferSource` owns the staging pool (registered with NIXL once), a NIXL agent and the zmq
-ROUTER side channel whose service thread answers handshakes and region queries and frees staging.
+ROUTER side channel whose service thread runs the authenticated handshake, answers region queries and frees
+staging (protocol v2, docs/PROTOCOL.md sections 1 and 2).
 
 Lifecycle of a request's staging: (`expect`: D's queries get NotReady while P waits for room) -> `alloc` ->
 caller encodes into the views -> `publish` (queries answered from then on; before, D gets NotReady and
-retries) -> freed on D's Done (side channel, or a NIXL notification ``done:<req_id>``), on lease expiry
-(`lease_s` after publish, renewed by each query), or on `abort`. `reject(req_id, code, message)` gives up on
-a request: D's next query gets that error at once (e.g. ``staging_full``), not a silent wait.
+retries) -> freed on D's Done (side channel, or a NIXL notification ``done:<transfer_id>:<token>``), on lease
+expiry (`lease_s` after publish, renewed by each query of its owner), or on `abort`. `reject(req_id, code,
+message)` gives up on a request: D's next query gets that error at once (e.g. ``staging_full``).
+
+Every request has a transfer id and a token (16 random bytes each, hex: minted here, or by the caller and
+passed to `expect`/`alloc`; `ticket` returns them); D names a request only by both. An unknown id and a wrong
+token get the same answer, ``unknown_request``; the first session whose Query was answered with Regions owns
+the transfer, and other sessions are answered the same way. Only peers that proved the deployment key get a
+session, P's NIXL metadata and the pool descriptor; any other message from an identity without a session is
+answered ``Error("refused")``, nothing else.
 """
 
 from __future__ import annotations
 
+import hmac
 import os
+import secrets
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -34,13 +45,55 @@ __all__ = ["TransferSource"]
 
 IDLE_POLL_MS = 500
 MAX_REJECTED = 4096  # rejections remembered (each for lease_s) so D hears why, not "unknown request"
+MAX_SESSIONS = 1024  # authenticated sessions kept (least recently used dropped first)
+MAX_PENDING = 256  # handshakes between Challenge and Auth kept (oldest dropped first)
+PENDING_TTL_S = 30.0
+LOG_CHARS = 200  # log lines about bad frames: truncated, at most one per second per kind
+LOG_EVERY_S = 1.0
 
 
 @dataclass
 class _Entry:
     staged: StagedRequest | None  # None: expected, not staged yet (NotReady)
+    transfer_id: str
+    token: str
     published: bool = False
     deadline: float | None = None
+    owner: bytes | None = None  # the session lineage whose Query got Regions
+
+
+@dataclass
+class _Pending:
+    nonce_d: bytes
+    nonce_p: bytes
+    challenge: bytes  # the encoded Challenge, sent again for a re-sent Hello
+    expires: float
+
+
+@dataclass
+class _Session:
+    session_id: bytes
+    owner: bytes  # stays the same across D's reconnects (Auth.resume)
+    skey: bytes
+    opener: proto.Opener
+    send_seq: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class _RateLimitedLog:
+    """Warnings about bad frames: truncated to LOG_CHARS, at most one per LOG_EVERY_S per kind."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self.suppressed = 0
+
+    def warn(self, kind: str, text: str) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -1e9) < LOG_EVERY_S:
+            self.suppressed += 1
+            return
+        self._last[kind] = now
+        logger.warning("side channel: %s", text[:LOG_CHARS])
 
 
 class TransferSource:
@@ -57,6 +110,7 @@ class TransferSource:
     ) -> None:
         """``status_extra`` adds the owner's counters to the status file (``config.status_path``)."""
         self.config = config
+        self._key = config.key if config.key is not None else b""  # insecure: an empty key, same protocol
         self.compat = dict(compat)
         self.compat_hash = proto.compat_hash(self.compat)
         self.pool = StagingPool(config.pool_bytes)
@@ -65,15 +119,21 @@ class TransferSource:
         self._nixl.register(self.pool.buffer)
         self._md = self._nixl.metadata()  # after registration
         self._lock = threading.Lock()
-        self._entries: dict[str, _Entry] = {}
-        self._rejected: dict[str, tuple[str, str, float]] = {}  # req_id -> (code, message, forget at)
+        self._entries: dict[str, _Entry] = {}  # req_id -> entry
+        self._by_tid: dict[str, str] = {}  # transfer_id -> req_id
+        self._rejected: dict[str, tuple[str, str, float, str]] = {}  # transfer_id -> (code, message, forget at, token)
         self._freed: list[str] = []
+        self._sessions: OrderedDict[bytes, _Session] = OrderedDict()  # zmq identity -> session (service thread)
+        self._pending: OrderedDict[bytes, _Pending] = OrderedDict()  # zmq identity -> handshake in progress
+        self._log = _RateLimitedLog()
         self.counters = {"served_queries": 0, "malformed": 0, "freed_done": 0, "freed_lease": 0, "freed_abort": 0,
-                         "rejected": 0, "replies_dropped": 0}
+                         "rejected": 0, "replies_dropped": 0, "auth_failed": 0, "refused": 0, "bad_mac": 0,
+                         "replayed": 0, "unknown_request": 0, "bad_notif": 0, "sessions": 0}
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes)  # bigger: the connection is dropped
+        self._sock.setsockopt(zmq.RCVHWM, config.rcvhwm)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot be delivered raises: counted, logged
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
@@ -90,7 +150,8 @@ class TransferSource:
                                     lambda: {"source": self.stats(), **(status_extra() if status_extra else {})})
         self._thread = threading.Thread(target=self._serve, name="lynx-source", daemon=True)
         self._thread.start()
-        logger.info("lynx transfer source %s listening on %s:%s", self.name, *self._address)
+        logger.info("lynx transfer source %s listening on %s:%s (%s)", self.name, *self._address,
+                    "authenticated" if config.key is not None else "INSECURE: no side-channel key")
 
     # ---- caller API --------------------------------------------------------------------------
     @property
@@ -103,33 +164,80 @@ class TransferSource:
         if not isinstance(req_id, str) or not 0 < len(req_id) <= proto.MAX_ID:
             raise ValueError(f"req_id must be a non-empty str of at most {proto.MAX_ID} chars")
 
-    def expect(self, req_id: str) -> None:
-        """Announce a request that will be staged (D's queries get NotReady until `publish` or `reject`)."""
+    @staticmethod
+    def _mint(transfer_id: str | None, token: str | None) -> tuple[str, str]:
+        tid = secrets.token_hex(16) if transfer_id is None else transfer_id
+        tok = secrets.token_hex(16) if token is None else token
+        if not proto.is_hex_id(tid) or not proto.is_hex_id(tok):
+            raise ValueError("transfer_id and token must be 32 lower-case hex characters (secrets.token_hex(16))")
+        return tid, tok
+
+    def _entry_for(self, req_id: str, transfer_id: str | None, token: str | None,
+                   staged: StagedRequest | None) -> _Entry:
+        """Create or update a request's entry (lock held); the credentials of an expected request are kept."""
+        entry = self._entries.get(req_id)
+        if entry is not None:
+            if (transfer_id is not None and transfer_id != entry.transfer_id) or (
+                    token is not None and token != entry.token):
+                raise ValueError(f"request {req_id!r} is already expected with another transfer id or token")
+            if staged is not None:
+                entry.staged = staged
+            return entry
+        tid, tok = self._mint(transfer_id, token)
+        if tid in self._by_tid:
+            raise ValueError(f"transfer id {tid} is already in use")
+        entry = self._entries[req_id] = _Entry(staged, tid, tok)
+        self._by_tid[tid] = req_id
+        self._rejected.pop(tid, None)
+        return entry
+
+    def expect(self, req_id: str, transfer_id: str | None = None, token: str | None = None) -> tuple[str, str]:
+        """Announce a request that will be staged (D's queries get NotReady until `publish` or `reject`);
+        returns its (transfer_id, token), minted here unless given."""
         self._check_id(req_id)
         with self._lock:
-            self._entries.setdefault(req_id, _Entry(None))
-            self._rejected.pop(req_id, None)
+            entry = self._entry_for(req_id, transfer_id, token, None)
+            return entry.transfer_id, entry.token
 
-    def alloc(self, req_id: str, anchor_nbytes: int, residual_nbytes: int) -> StagedRequest:
-        """Reserve staging for a request (raises `StagingFullError` when the pool is full)."""
+    def alloc(self, req_id: str, anchor_nbytes: int, residual_nbytes: int, *, transfer_id: str | None = None,
+              token: str | None = None) -> StagedRequest:
+        """Reserve staging for a request (raises `StagingFullError` when the pool is full); the request keeps the
+        credentials of `expect`, or gets ``transfer_id``/``token`` (minted when not given): see `ticket`."""
         self._check_id(req_id)
+        self._mint(transfer_id or "0" * 32, token or "0" * 32)  # validate before allocating
         with self._lock:
             entry = self._entries.get(req_id)
             if entry is not None and entry.staged is not None:
                 raise ValueError(f"request {req_id!r} is already staged")
         staged = self.pool.alloc_request(req_id, anchor_nbytes, residual_nbytes)
-        with self._lock:
-            self._entries[req_id] = _Entry(staged)
-            self._rejected.pop(req_id, None)
+        try:
+            with self._lock:
+                self._entry_for(req_id, transfer_id, token, staged)
+        except ValueError:
+            self.pool.free_request(req_id)
+            raise
         return staged
+
+    def ticket(self, req_id: str) -> tuple[str, str]:
+        """(transfer_id, token) of an expected or staged request: what D needs to pull it."""
+        with self._lock:
+            entry = self._entries.get(req_id)
+            if entry is None:
+                raise KeyError(f"no request {req_id!r}")
+            return entry.transfer_id, entry.token
 
     def reject(self, req_id: str, code: str, message: str) -> None:
         """Give up on a request: free what it holds; D's queries for it get ``Error(code, message)``."""
+        with self._lock:
+            entry = self._entries.get(req_id)
         self._free(req_id, "abort")
+        if entry is None:
+            return
         with self._lock:
             if len(self._rejected) >= MAX_REJECTED:
                 self._rejected.pop(next(iter(self._rejected)))
-            self._rejected[req_id] = (code[:64], message[:4000], time.monotonic() + self.config.lease_s)
+            self._rejected[entry.transfer_id] = (code[:64], message[:4000], time.monotonic() + self.config.lease_s,
+                                                 entry.token)
             self.counters["rejected"] += 1
 
     def publish(self, req_id: str) -> None:
@@ -161,6 +269,8 @@ class TransferSource:
             "requests_live": live,
             "cpu_s": self.cpu_s,
             **self.counters,
+            "sessions": len(self._sessions),
+            "logs_suppressed": self._log.suppressed,
         }
 
     def close(self) -> None:
@@ -180,6 +290,7 @@ class TransferSource:
             entry = self._entries.pop(req_id, None)
             if entry is None:
                 return False
+            self._by_tid.pop(entry.transfer_id, None)
             self._freed.append(req_id)
             self.counters[f"freed_{why}"] += 1
         if entry.staged is not None:
@@ -223,11 +334,13 @@ class TransferSource:
         now = time.monotonic()
         with self._lock:
             expired = [r for r, e in self._entries.items() if e.deadline is not None and e.deadline <= now]
-            for req_id in [r for r, (_, _, t) in self._rejected.items() if t <= now]:
-                del self._rejected[req_id]
+            for tid in [t for t, rej in self._rejected.items() if rej[2] <= now]:
+                del self._rejected[tid]
         for req_id in expired:
             logger.warning("lease of %s expired after %.1fs without D's done: freeing", req_id, self.config.lease_s)
             self._free(req_id, "lease")
+        for ident in [i for i, p in self._pending.items() if p.expires <= now]:
+            del self._pending[ident]
 
     def _pump_nixl(self) -> None:
         try:
@@ -239,7 +352,27 @@ class TransferSource:
             for msg in msgs:
                 text = bytes(msg)[:600].decode("utf-8", "replace")
                 if text.startswith("done:"):
-                    self._free(text[5:], "done")
+                    self._notified_done(text[5:])
+
+    def _notified_done(self, rest: str) -> None:
+        """A NIXL notification ``done:<transfer_id>:<token>``: frees only with the right token."""
+        tid, _, token = rest.partition(":")
+        with self._lock:
+            entry = self._lookup(tid, token)
+            req_id = None if entry is None else self._by_tid.get(tid)
+        if req_id is None:
+            self.counters["bad_notif"] += 1
+            self._log.warn("bad_notif", f"ignored a NIXL done notification for an unknown request or with a wrong "
+                                        f"token: {rest[:64]!r}")
+            return
+        self._free(req_id, "done")
+
+    def _lookup(self, tid: str, token: str) -> _Entry | None:
+        """The entry of a transfer id presenting its token (constant-time compare), else None (lock held)."""
+        req_id = self._by_tid.get(tid) if isinstance(tid, str) else None
+        entry = self._entries.get(req_id) if req_id is not None else None
+        ok = hmac.compare_digest(str(token).encode(), (entry.token if entry is not None else "x" * 32).encode())
+        return entry if entry is not None and ok else None
 
     def _drain_socket(self) -> None:
         for _ in range(256):
@@ -249,62 +382,165 @@ class TransferSource:
                 return
             self._handle(frames)
 
-    def _reply(self, ident: bytes, msg: proto.Message) -> None:
+    def _send(self, ident: bytes, frame: bytes, what: str) -> None:
         try:
-            self._sock.send_multipart([ident, proto.encode(msg)], zmq.NOBLOCK)
+            self._sock.send_multipart([ident, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone (EHOSTUNREACH) or its queue full (EAGAIN): D will ask again
             self.counters["replies_dropped"] += 1
-            logger.warning("side-channel reply %s dropped: %s", type(msg).__name__, exc)
+            self._log.warn("dropped", f"side-channel reply {what} dropped: {exc}")
+
+    def _reply_plain(self, ident: bytes, msg: proto.Message) -> None:
+        self._send(ident, proto.encode(msg), type(msg).__name__)
+
+    def _reply_sealed(self, ident: bytes, sess: _Session, msg: proto.Message) -> None:
+        sess.send_seq += 1
+        self._send(ident, proto.seal(sess.skey, proto.P_TO_D, sess.send_seq, proto.encode(msg)), type(msg).__name__)
+
+    def _refuse(self, ident: bytes, counter: str, kind: str, why: str) -> None:
+        """The one answer for anyone without a session or a failed handshake: Error("refused"), nothing else."""
+        self.counters[counter] += 1
+        self._log.warn(kind, why)
+        self._reply_plain(ident, proto.Error(v=proto.VERSION, code="refused", message="refused"))
 
     def _handle(self, frames: list[bytes]) -> None:
         ident = frames[0]
         if len(frames) != 2:
-            self.counters["malformed"] += 1
-            logger.warning("side channel: rejected a message with %d frames", len(frames) - 1)
-            self._reply(ident, proto.Error(v=proto.VERSION, code="malformed", message="expected one frame"))
+            self._refuse(ident, "malformed", "frames", f"rejected a message with {len(frames) - 1} frames")
+            return
+        frame = frames[1]
+        if len(frame) > self.config.max_message_bytes:
+            self._refuse(ident, "malformed", "oversize",
+                         f"rejected a {len(frame)}-byte message (limit {self.config.max_message_bytes})")
+            return
+        if frame[:1] == bytes([proto.SEALED]):
+            self._handle_sealed(ident, frame)
             return
         try:
-            msg = proto.decode(frames[1], self.config.max_message_bytes)
+            msg = proto.decode(frame, self.config.max_message_bytes)
         except proto.ProtocolError as exc:
-            self.counters["malformed"] += 1
-            logger.warning("side channel: rejected a malformed message: %s", exc)
-            self._reply(ident, proto.Error(v=proto.VERSION, code="malformed", message=str(exc)[:4000]))
+            if "unsupported protocol version" in str(exc):
+                self.counters["malformed"] += 1
+                self._log.warn("version", str(exc))
+                self._reply_plain(ident, proto.Error(v=proto.VERSION, code="unsupported_version",
+                                                     message=f"this prefill instance speaks protocol {proto.VERSION}"))
+                return
+            self._refuse(ident, "malformed", "malformed", f"rejected a malformed message: {exc}")
             return
-        self._reply(ident, self._answer(msg))
+        if not isinstance(msg, proto.Hello):
+            self._refuse(ident, "refused", "no_session", f"refused a {type(msg).__name__} outside a session")
+            return
+        self._on_hello(ident, msg)
 
-    def _answer(self, msg: proto.Message) -> proto.Message:
+    def _on_hello(self, ident: bytes, msg: proto.Hello) -> None:
+        pending = self._pending.get(ident)
+        if pending is not None and pending.nonce_d == msg.nonce_d:  # a re-sent Hello: the same Challenge again
+            self._send(ident, pending.challenge, "Challenge")
+            return
+        nonce_p = secrets.token_bytes(16)
+        challenge = proto.encode(proto.Challenge(v=proto.VERSION, nonce_p=nonce_p,
+                                                 proof_p=proto.proof_p(self._key, msg.nonce_d, nonce_p)))
+        self._pending.pop(ident, None)
+        if len(self._pending) >= MAX_PENDING:
+            self._pending.popitem(last=False)
+        self._pending[ident] = _Pending(msg.nonce_d, nonce_p, challenge, time.monotonic() + PENDING_TTL_S)
+        self._send(ident, challenge, "Challenge")
+
+    def _handle_sealed(self, ident: bytes, frame: bytes) -> None:
+        sess = self._sessions.get(ident)
+        if sess is not None:
+            verdict, payload = sess.opener.open(frame)
+            if verdict == "ok":
+                self._sessions.move_to_end(ident)
+                sess.last_seen = time.monotonic()
+                try:
+                    msg = proto.decode(payload, self.config.max_message_bytes)
+                except proto.ProtocolError as exc:
+                    self.counters["malformed"] += 1
+                    self._log.warn("malformed", f"rejected a malformed message in a session: {exc}")
+                    self._reply_sealed(ident, sess, proto.Error(v=proto.VERSION, code="malformed",
+                                                                message=str(exc)[:200]))
+                    return
+                if isinstance(msg, proto.Auth):  # a re-sent Auth: HelloOk again
+                    self._reply_sealed(ident, sess, self._hello_ok(sess))
+                    return
+                self._reply_sealed(ident, sess, self._answer(sess, msg))
+                return
+            if ident not in self._pending:
+                self.counters[verdict] += 1
+                self._log.warn(verdict, f"dropped a frame with a {'bad MAC' if verdict == 'bad_mac' else 'replayed seq'}")
+                return
+        pending = self._pending.get(ident)
+        if pending is None:
+            self._refuse(ident, "refused", "no_session", "refused a sealed frame from a peer without a session")
+            return
+        self._on_auth(ident, pending, frame)
+
+    def _on_auth(self, ident: bytes, pending: _Pending, frame: bytes) -> None:
+        del self._pending[ident]
+        skey = proto.session_key(self._key, pending.nonce_d, pending.nonce_p)
+        opener = proto.Opener(skey, proto.D_TO_P)
+        verdict, payload = opener.open(frame)
+        msg: proto.Message | None = None
+        if verdict == "ok":
+            try:
+                msg = proto.decode(payload, self.config.max_message_bytes)
+            except proto.ProtocolError:
+                msg = None
+        expected = proto.proof_d(self._key, pending.nonce_d, pending.nonce_p)
+        if not isinstance(msg, proto.Auth) or not hmac.compare_digest(msg.proof_d, expected):
+            self._refuse(ident, "auth_failed", "auth",
+                         "handshake refused: the peer did not prove the deployment key (a different "
+                         "LYNX_SIDE_CHANNEL_KEY(_FILE), or insecure_side_channel on one side only)")
+            return
+        diff = proto.compat_diff(self.compat, msg.compat)
+        if diff:
+            self._refuse(ident, "auth_failed", "incompatible", "handshake refused: incompatible peer: " + "; ".join(diff))
+            return
+        owner = secrets.token_bytes(16)
+        if msg.resume:  # D reconnected: its transfers stay its own
+            for old_ident, old in list(self._sessions.items()):
+                if hmac.compare_digest(old.session_id, msg.resume):
+                    owner = old.owner
+                    del self._sessions[old_ident]
+                    break
+        self._sessions.pop(ident, None)
+        if len(self._sessions) >= MAX_SESSIONS:
+            self._sessions.popitem(last=False)
+        sess = _Session(session_id=secrets.token_bytes(16), owner=owner, skey=skey, opener=opener)
+        self._sessions[ident] = sess
+        self.counters["sessions"] += 1
+        self._reply_sealed(ident, sess, self._hello_ok(sess))
+
+    def _hello_ok(self, sess: _Session) -> proto.HelloOk:
+        return proto.HelloOk(v=proto.VERSION, agent_name=self.name, agent_md=self._md, pool_addr=self.pool.base_addr,
+                             pool_nbytes=self.pool.nbytes, compat_hash=self.compat_hash, session_id=sess.session_id)
+
+    def _unknown(self, tid: str) -> proto.Error:
+        """The one answer for an unknown transfer id, a wrong token or a transfer another session owns."""
+        self.counters["unknown_request"] += 1
+        return proto.Error(v=proto.VERSION, code="unknown_request", message="no such request", transfer_id=tid)
+
+    def _answer(self, sess: _Session, msg: proto.Message) -> proto.Message:
         v = proto.VERSION
-        if isinstance(msg, proto.Hello):
-            diff = proto.compat_diff(self.compat, msg.compat)
-            if diff:
-                logger.warning("side channel: incompatible peer: %s", "; ".join(diff))
-                text = "incompatible KV layout/codec, differing fields: " + "; ".join(diff)
-                return proto.Error(v=v, code="incompatible", message=text[:4000])
-            return proto.HelloOk(
-                v=v,
-                agent_name=self.name,
-                agent_md=self._md,
-                pool_addr=self.pool.base_addr,
-                pool_nbytes=self.pool.nbytes,
-                compat_hash=self.compat_hash,
-            )
         if isinstance(msg, proto.Query):
             with self._lock:
-                entry = self._entries.get(msg.req_id)
-                if entry is not None and entry.published:
+                entry = self._lookup(msg.transfer_id, msg.token)
+                rejected = self._rejected.get(msg.transfer_id)
+                owned_elsewhere = entry is not None and entry.owner is not None and entry.owner != sess.owner
+                if entry is not None and not owned_elsewhere and entry.published and entry.staged is not None:
+                    entry.owner = sess.owner
                     entry.deadline = time.monotonic() + self.config.lease_s
-                rejected = self._rejected.get(msg.req_id)
-            if rejected is not None:
-                return proto.Error(v=v, code=rejected[0], message=rejected[1], req_id=msg.req_id)
-            if entry is None:
-                return proto.Error(v=v, code="unknown_request", message="no staging for request", req_id=msg.req_id)
+            if entry is None and rejected is not None and hmac.compare_digest(rejected[3].encode(), msg.token.encode()):
+                return proto.Error(v=v, code=rejected[0], message=rejected[1], transfer_id=msg.transfer_id)
+            if entry is None or owned_elsewhere:
+                return self._unknown(msg.transfer_id)
             if not entry.published or entry.staged is None:
-                return proto.NotReady(v=v, req_id=msg.req_id)
+                return proto.NotReady(v=v, transfer_id=msg.transfer_id)
             self.counters["served_queries"] += 1
             s = entry.staged
             return proto.Regions(
                 v=v,
-                req_id=msg.req_id,
+                transfer_id=msg.transfer_id,
                 anchor_offset=s.anchor_offset,
                 anchor_nbytes=s.anchor_nbytes,
                 residual_offset=s.residual_offset,
@@ -312,7 +548,17 @@ class TransferSource:
             )
         if isinstance(msg, proto.Done):
             with self._lock:
-                self._rejected.pop(msg.req_id, None)
-            self._free(msg.req_id, "done")
-            return proto.Ack(v=v, req_id=msg.req_id)
+                entry = self._lookup(msg.transfer_id, msg.token)
+                req_id = self._by_tid.get(msg.transfer_id) if entry is not None else None
+                if entry is not None and entry.owner is not None and entry.owner != sess.owner:
+                    req_id = None
+                rejected = self._rejected.get(msg.transfer_id)
+                if entry is None and rejected is not None and hmac.compare_digest(rejected[3].encode(),
+                                                                                   msg.token.encode()):
+                    del self._rejected[msg.transfer_id]
+                    return proto.Ack(v=v, transfer_id=msg.transfer_id)
+            if req_id is None:
+                return self._unknown(msg.transfer_id)
+            self._free(req_id, "done")
+            return proto.Ack(v=v, transfer_id=msg.transfer_id)
         return proto.Error(v=v, code="unexpected", message=f"P does not accept {type(msg).__name__}")

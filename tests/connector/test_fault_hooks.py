@@ -16,7 +16,7 @@ class Blocks:
 def pull_hooks(hooks):
     s = LynxConnectorScheduler(SimpleNamespace(cache_config=SimpleNamespace(block_size=32)), "e",
                                LynxConfig.from_extra_config({}))
-    params = RemotePrefill(engine_id="p", request_id="p-1", host="h", ports=(5555,), num_tokens=64,
+    params = RemotePrefill(transfer_id="a" * 32, token="b" * 32, engine_id="p", request_id="p-1", host="h", ports=(5555,), num_tokens=64,
                            mode="full").to_params()
     params[TEST_HOOKS_PARAM] = hooks
     req = SimpleNamespace(request_id="d-1", num_prompt_tokens=64, kv_transfer_params=params,

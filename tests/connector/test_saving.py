@@ -65,13 +65,14 @@ def test_gives_up_after_wait_s_and_tells_d_why(source) -> None:
     q, staged, rejected, clock = make(source, {"a": 60000, "b": 30000})
     q.submit(spec("a"))
     q.submit(spec("b"))
+    tid = source.ticket("b")[0]  # D knows b by its transfer id (and token)
     clock.t = 4.9
     q.retry()
     assert q.waiting == 1 and not rejected
     clock.t = 5.1
     q.retry()
     assert q.waiting == 0 and rejected == ["stage"] and staged == ["a"]
-    code, message, _ = source._rejected["b"]
+    code, message, _, _ = source._rejected[tid]
     assert code == "staging_full" and "staging_mb=0" in message and "--max-inflight" in message
     assert q.finished_sending({"b"}) == {"b"}
 

@@ -49,7 +49,7 @@ def sched_out(**n):
 
 
 def remote_params(n=100, **over):
-    p = RemotePrefill(engine_id="engine-p", request_id="p-1", host="10.1.2.3", ports=(5555,), num_tokens=n,
+    p = RemotePrefill(transfer_id="a" * 32, token="b" * 32, engine_id="engine-p", request_id="p-1", host="10.1.2.3", ports=(5555,), num_tokens=n,
                       mode="full").to_params()
     p.update(over)
     return p
@@ -76,6 +76,9 @@ def test_prefill_side_encodes_when_prompt_completes_and_returns_params():
     rp = RemotePrefill.from_params(params)
     assert (rp.host, rp.ports, rp.request_id, rp.num_tokens) == ("10.1.2.3", (5555,), "p-1", 70)
     assert rp.first_token == 4242 and params["lynx_first_token"] == 4242
+    # the capability P's scheduler half minted for the request, the same it handed to its workers
+    assert (rp.transfer_id, rp.token) == (meta.reqs_to_save[0].transfer_id, meta.reqs_to_save[0].token)
+    assert len(rp.token) == 32 and rp.token != rp.transfer_id
 
 
 def test_first_token_is_kept_for_speculative_pulls_only():
@@ -161,6 +164,11 @@ def test_finished_recving_clears_inflight_and_merged_signal_is_collected():
     {"lynx_first_token": "7"},
     {"lynx_first_token": -1},
     {"lynx_first_token": True},
+    {"lynx_transfer_id": None},
+    {"lynx_token": "B" * 32},
+    {"lynx_token": "b" * 31},
+    {"lynx_transfer_id": "x" * 32},
+    {"lynx_version": 1},
 ])
 def test_malformed_params_fall_back_to_local_prefill(bad):
     s, _ = make_sched()

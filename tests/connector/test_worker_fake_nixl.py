@@ -15,7 +15,7 @@ import torch
 from lynx_connector import worker as worker_mod
 from lynx_connector.codec import decode_anchor, encode, get_codec, merge_residual, staged_layout
 from lynx_connector.config import LynxConfig
-from lynx_connector.metadata import LynxConnectorMetadata, RecvSpec, SaveSpec
+from lynx_connector.metadata import LynxConnectorMetadata, RecvSpec, SaveSpec, mint_ticket
 from lynx_connector.modes import get_mode
 from lynx_connector.transport import TransferSink, TransferSource
 from tests.transport.fakes import FakeFabric, FakeNixlWrapper
@@ -61,9 +61,16 @@ def publish(p, mode: str, req: str = "p1") -> None:
 
 
 def recv_spec(p, mode: str, req: str = "d1", remote: str = "p1") -> RecvSpec:
+    """What D's scheduler half builds from P's kv_transfer_params: P's transfer id and token of ``remote``
+    (fresh random ones for a request P does not know)."""
     host, port = p.source.address
+    try:
+        tid, token = p.source.ticket(remote)
+    except KeyError:
+        tid, token = mint_ticket()
     return RecvSpec(req_id=req, block_ids=D_BLOCKS, num_tokens=N, skip_blocks=0, remote_host=host,
-                    remote_ports=(port,), remote_req_id=remote, remote_engine_id="e-kv_producer", mode=mode)
+                    remote_ports=(port,), remote_req_id=remote, remote_engine_id="e-kv_producer", mode=mode,
+                    transfer_id=tid, token=token)
 
 
 def poll_until(workers, pred: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -424,8 +431,9 @@ def test_nonfinite_metadata_is_rejected_before_decoding(pair, monkeypatch, mode,
     assert_staging_freed(p, d)
 
 
-def test_a_peer_without_the_same_integrity_format_fails_the_handshake(pair):
-    """P and D must stage the same trailers: the format is one of the compat fields, so a mismatch is named."""
+def test_a_peer_without_the_same_integrity_format_fails_the_handshake(pair, caplog):
+    """P and D must stage the same trailers: the format is one of the compat fields, so a mismatch fails the
+    handshake; D hears only that P refused it (protocol v2 reveals nothing), P's log names the field."""
     make, _ = pair
     (p, _), (d, _) = make("kv_producer"), make("kv_consumer")
     assert p.source.compat["integrity"] == d.sink.compat["integrity"] == "xxh3_64/trailer8/v1"
@@ -434,5 +442,7 @@ def test_a_peer_without_the_same_integrity_format_fails_the_handshake(pair):
     publish(p, "full")
     d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, "full")]))
     done, failed = results_until([p, d], d, lambda done, failed: "d1" in done)
-    assert failed == {"d1"} and "integrity" in errors["d1"], errors["d1"]
+    assert failed == {"d1"} and "refused" in errors["d1"] and "incompatible" in errors["d1"], errors["d1"]
+    assert any("incompatible peer" in r.getMessage() and "integrity: ours='none'" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert d.sink.pool.regions_live == 0 and d._recvs == {}

@@ -8,7 +8,9 @@ namespaces deleted.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from .sinkpeer import start_in_namespace
 
 COMPAT = {"model": "smollm2", "layers": 30, "kv_heads": 3, "head_size": 64, "codec": "lynx", "codec_version": 1}
 MB = 1 << 20
+NET_KEY = secrets.token_bytes(32)  # the side-channel key of the P and D processes of these tests
 
 
 def call(conn: Connection, *cmd: Any, timeout: float = 60.0) -> Any:
@@ -85,19 +88,22 @@ class NetPair:
         return call(self.sink_conn, *cmd, timeout=timeout)
 
     def start_source(self, cfg: TransportConfig, proto_info: bool = False) -> None:
+        cfg = dataclasses.replace(cfg, key=NET_KEY)
         self.src_proc, self.src_conn, addr = start_in_namespace(self.p_ns, ucx_env(self.p_dev, proto_info),
                                                                 "source", cfg, COMPAT)
         self.src_addr = (addr[0], int(addr[1]))
         self.procs.append(self.src_proc)
 
     def start_sink(self, cfg: TransportConfig, proto_info: bool = False) -> None:
+        cfg = dataclasses.replace(cfg, key=NET_KEY)
         self.sink_proc, self.sink_conn, _ = start_in_namespace(self.d_ns, ucx_env(self.d_dev, proto_info),
                                                                "sink", cfg, COMPAT)
         self.procs.append(self.sink_proc)
 
     def pull(self, *reqs: tuple[str, int, int]) -> None:
         host, port = self.src_addr
-        self.sink("pull", [(r, host, port, a, b) for r, a, b in reqs])
+        tickets = self.src("tickets", [r for r, _, _ in reqs])  # (transfer_id, token) of each, minted by P
+        self.sink("pull", [(r, host, port, *tickets[r], a, b) for r, a, b in reqs])
 
     def events(self, n: int, timeout: float) -> list[tuple]:
         out: list[tuple] = []

@@ -36,10 +36,10 @@ def _main(conn: Connection, cfg: dict[str, Any], compat: dict[str, Any]) -> None
             cmd = conn.recv()
             try:
                 if cmd[0] == "pull":
-                    for req_id, host, port, a, r in cmd[1]:
+                    for req_id, host, port, transfer_id, token, a, r in cmd[1]:
                         st = sink.pool.alloc_request(req_id, a, r)
                         views[req_id] = st
-                        sink.pull(req_id, host, port, req_id, st.anchor, st.residual)
+                        sink.pull(req_id, host, port, transfer_id, token, st.anchor, st.residual)
                     conn.send(("ok", None))
                 elif cmd[0] == "events":
                     end = time.monotonic() + cmd[2]

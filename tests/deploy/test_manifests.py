@@ -65,6 +65,13 @@ def test_lynx_wiring(path: Path) -> None:
         env = {**cm, "POD_IP": "10.1.2.3"}
         names = {e["name"] for e in c["env"]}
         assert {"POD_IP", "VLLM_HOST_IP"} <= names
+        # the side-channel key: a Secret mounted read-only, named by LYNX_SIDE_CHANNEL_KEY_FILE (issue 14)
+        key_file = next(e["value"] for e in c["env"] if e["name"] == "LYNX_SIDE_CHANNEL_KEY_FILE")
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "side-channel-key")
+        assert key_file.startswith(mount["mountPath"] + "/") and mount["readOnly"] is True
+        vol = next(v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "side-channel-key")
+        assert vol["secret"]["secretName"] == "lynx-side-channel-key" and key_file.endswith("/key")
+        assert "LYNX_SIDE_CHANNEL_KEY" not in names and "insecure_side_channel" not in json.dumps(c["args"])
         assert c["envFrom"][0]["configMapRef"]["name"] == "lynx-config"
         args = [_expand(a, env) for a in c["args"]]
         assert args[:2] == ["serve", cm["MODEL"]]

@@ -123,7 +123,7 @@ class Driver:
 
         extra = None
         if remote:
-            params = RemotePrefill(engine_id="engine-p", request_id="p-" + rid, host="127.0.0.1", ports=(5555,),
+            params = RemotePrefill(transfer_id="a" * 32, token="b" * 32, engine_id="engine-p", request_id="p-" + rid, host="127.0.0.1", ports=(5555,),
                                    num_tokens=prompt_len, mode=mode, first_token=first_token).to_params()
             extra = {"kv_transfer_params": params}
         sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=logprobs, ignore_eos=ignore_eos,

@@ -17,6 +17,10 @@ from typing import Any
 
 import torch
 
+#: The deployment key of the transport tests (TransportConfig.key); `OTHER_KEY` is a different deployment's.
+TEST_KEY = bytes(range(32))
+OTHER_KEY = bytes(range(1, 33))
+
 
 @dataclass
 class FakeFabric:

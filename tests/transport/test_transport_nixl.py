@@ -15,6 +15,8 @@ from lynx_connector.transport.events import TransferEvent
 from lynx_connector.transport.nixl_wrapper import nixl_available
 from lynx_connector.transport.sink import TransferSink
 
+from .fakes import TEST_KEY
+
 pytestmark = [
     pytest.mark.nixl,
     pytest.mark.timeout(90),
@@ -33,6 +35,10 @@ def call(conn, *cmd):
     return val
 
 
+def ticket(conn, req_id: str) -> tuple[str, str]:
+    return tuple(call(conn, "tickets", [req_id])[req_id])
+
+
 def wait_events(sink: TransferSink, n: int, timeout: float) -> list[tuple[float, TransferEvent]]:
     out: list[tuple[float, TransferEvent]] = []
     end = time.monotonic() + timeout
@@ -45,7 +51,7 @@ def wait_events(sink: TransferSink, n: int, timeout: float) -> list[tuple[float,
 
 @pytest.fixture(scope="module")
 def source() -> Iterator[tuple]:
-    proc, conn, addr = start_source_process(TransportConfig(pool_bytes=96 * MB, lease_s=60.0), COMPAT)
+    proc, conn, addr = start_source_process(TransportConfig(pool_bytes=96 * MB, lease_s=60.0, key=TEST_KEY), COMPAT)
     yield proc, conn, addr
     if proc.is_alive():
         conn.send(("stop",))
@@ -56,7 +62,7 @@ def source() -> Iterator[tuple]:
 
 @pytest.fixture(scope="module")
 def sink() -> Iterator[TransferSink]:
-    s = TransferSink(TransportConfig(pool_bytes=96 * MB, timeout_s=3.0), COMPAT)
+    s = TransferSink(TransportConfig(pool_bytes=96 * MB, timeout_s=3.0, key=TEST_KEY), COMPAT)
     yield s
     s.close()
 
@@ -67,7 +73,7 @@ def test_byte_exact_and_done_frees_p(source, sink: TransferSink) -> None:
     sums = call(conn, "stage", specs, True)
     views = {r: sink.pool.alloc_request(r, a, b) for r, a, b, _ in specs}
     for r, st in views.items():
-        sink.pull(r, *addr, r, st.anchor, st.residual)
+        sink.pull(r, *addr, *ticket(conn, r), st.anchor, st.residual)
     evs = [e for _, e in wait_events(sink, 5, 30)]
     assert all(e.ok for e in evs), evs
     for r, st in views.items():
@@ -90,16 +96,21 @@ def test_malformed_and_incompatible_handshakes_rejected(source, sink: TransferSi
     raw.connect(f"tcp://{addr[0]}:{addr[1]}")
     try:
         raw.send(b"\x93\x01\x02\x03")
-        assert proto.decode(raw.recv(), 1 << 20).code == "malformed"
-        raw.send(proto.encode(proto.Hello(v=1, compat={**COMPAT, "head_size": 128, "dtype": "fp8"})))
+        assert proto.decode(raw.recv(), 1 << 20).code == "refused"
+        raw.send(proto.encode(proto.Hello(v=2, nonce_d=b"n" * 16, compat_hash="0" * 64)))
+        ch = proto.decode(raw.recv(), 1 << 20)  # a Challenge: nothing about P but its proof
+        assert isinstance(ch, proto.Challenge)
+        skey = proto.session_key(TEST_KEY, b"n" * 16, ch.nonce_p)
+        auth = proto.Auth(v=2, proof_d=proto.proof_d(TEST_KEY, b"n" * 16, ch.nonce_p),
+                          compat={**COMPAT, "head_size": 128, "dtype": "fp8"})
+        raw.send(proto.seal(skey, proto.D_TO_P, 1, proto.encode(auth)))
         err = proto.decode(raw.recv(), 1 << 20)
-        assert err.code == "incompatible" and "head_size" in err.message and "dtype" in err.message
-        assert "layers" not in err.message
+        assert (err.code, err.message) == ("refused", "refused")  # the compat diff goes to P's log only
     finally:
         raw.close()
     sums = call(conn, "stage", [("b1", 1000, 2000, 5)], True)  # the listener still serves
     st = sink.pool.alloc_request("b1", 1000, 2000)
-    sink.pull("b1", *addr, "b1", st.anchor, st.residual)
+    sink.pull("b1", *addr, *ticket(conn, "b1"), st.anchor, st.residual)
     assert all(e.ok for _, e in wait_events(sink, 2, 20))
     assert (crc(st.anchor), crc(st.residual)) == tuple(sums["b1"])
     sink.pool.free_request("b1")
@@ -107,7 +118,7 @@ def test_malformed_and_incompatible_handshakes_rejected(source, sink: TransferSi
 
 @pytest.fixture(scope="module")
 def paced_sink() -> Iterator[TransferSink]:
-    s = TransferSink(TransportConfig(pool_bytes=96 * MB, timeout_s=3.0, link_gbps=0.4), COMPAT)
+    s = TransferSink(TransportConfig(pool_bytes=96 * MB, timeout_s=3.0, link_gbps=0.4, key=TEST_KEY), COMPAT)
     yield s
     s.close()
 
@@ -117,11 +128,11 @@ def test_priority_anchor_overtakes_residual_under_pacing(source, paced_sink: Tra
     call(conn, "stage", [("c1", 256 * 1024, 16 * MB, 21), ("c2", 256 * 1024, 256 * 1024, 22)], True)
     v1 = paced_sink.pool.alloc_request("c1", 256 * 1024, 16 * MB)
     v2 = paced_sink.pool.alloc_request("c2", 256 * 1024, 256 * 1024)
-    paced_sink.pull("c1", *addr, "c1", v1.anchor, v1.residual)
+    paced_sink.pull("c1", *addr, *ticket(conn, "c1"), v1.anchor, v1.residual)
     first = wait_events(paced_sink, 1, 20)
     assert first[0][1].stream == "anchor" and first[0][1].ok
     time.sleep(0.05)  # c1's residual is now in flight (16 MiB at 50 MB/s: ~0.33 s)
-    paced_sink.pull("c2", *addr, "c2", v2.anchor, v2.residual)
+    paced_sink.pull("c2", *addr, *ticket(conn, "c2"), v2.anchor, v2.residual)
     evs = [e for _, e in wait_events(paced_sink, 3, 30)]
     order = [(e.req_id, e.stream) for e in evs]
     assert order.index(("c2", "anchor")) < order.index(("c1", "residual")), order
@@ -133,11 +144,11 @@ def test_priority_anchor_overtakes_residual_under_pacing(source, paced_sink: Tra
 
 
 def test_peer_killed_mid_transfer_fails_within_timeout(source, paced_sink: TransferSink) -> None:
-    proc, conn, addr = start_source_process(TransportConfig(pool_bytes=64 * MB, lease_s=60.0), COMPAT)
+    proc, conn, addr = start_source_process(TransportConfig(pool_bytes=64 * MB, lease_s=60.0, key=TEST_KEY), COMPAT)
     try:
         call(conn, "stage", [("k1", 64 * 1024, 40 * MB, 31)], True)
         v = paced_sink.pool.alloc_request("k1", 64 * 1024, 40 * MB)
-        paced_sink.pull("k1", *addr, "k1", v.anchor, v.residual)
+        paced_sink.pull("k1", *addr, *ticket(conn, "k1"), v.anchor, v.residual)
         (t_anchor, ev), = wait_events(paced_sink, 1, 20)
         assert ev.stream == "anchor" and ev.ok
         proc.kill()  # SIGKILL while the 40 MiB residual is being paced (~0.8 s)
@@ -155,7 +166,7 @@ def test_peer_killed_mid_transfer_fails_within_timeout(source, paced_sink: Trans
     _, conn1, addr1 = source
     sums = call(conn1, "stage", [("k2", 5000, 0, 41)], True)
     v2 = paced_sink.pool.alloc_request("k2", 5000, 0)
-    paced_sink.pull("k2", *addr1, "k2", v2.anchor, None)
+    paced_sink.pull("k2", *addr1, *ticket(conn1, "k2"), v2.anchor, None)
     (_, ev2), = wait_events(paced_sink, 1, 20)
     assert ev2.ok and crc(v2.anchor) == sums["k2"][0]
     paced_sink.pool.free_request("k2")

@@ -10,16 +10,23 @@ from lynx_connector.transport.pacing import TokenBucket
 pytestmark = pytest.mark.timeout(30)
 
 
+TID, TOK = "a" * 32, "b" * 32
+
+
 def test_roundtrip_every_message() -> None:
     msgs = [
-        proto.Hello(v=1, compat={"model": "m", "layers": 30, "codec_version": 1.5, "fp": True, "x": None}),
-        proto.HelloOk(v=1, agent_name="a", agent_md=b"\x00md", pool_addr=1, pool_nbytes=2, compat_hash="0" * 64),
-        proto.Query(v=1, req_id="r"),
-        proto.Regions(v=1, req_id="r", anchor_offset=0, anchor_nbytes=4, residual_offset=-1, residual_nbytes=0),
-        proto.NotReady(v=1, req_id="r"),
-        proto.Done(v=1, req_id="r"),
-        proto.Ack(v=1, req_id="r"),
-        proto.Error(v=1, code="c", message="m"),
+        proto.Hello(v=2, nonce_d=b"n" * 16, compat_hash="0" * 64),
+        proto.Challenge(v=2, nonce_p=b"p" * 16, proof_p=b"x" * 32),
+        proto.Auth(v=2, proof_d=b"y" * 32, compat={"model": "m", "layers": 30, "codec_version": 1.5, "fp": True,
+                                                   "x": None}, resume=b"s" * 16),
+        proto.HelloOk(v=2, agent_name="a", agent_md=b"\x00md", pool_addr=1, pool_nbytes=2, compat_hash="0" * 64,
+                      session_id=b"s" * 16),
+        proto.Query(v=2, transfer_id=TID, token=TOK),
+        proto.Regions(v=2, transfer_id=TID, anchor_offset=0, anchor_nbytes=4, residual_offset=-1, residual_nbytes=0),
+        proto.NotReady(v=2, transfer_id=TID),
+        proto.Done(v=2, transfer_id=TID, token=TOK),
+        proto.Ack(v=2, transfer_id=TID),
+        proto.Error(v=2, code="c", message="m"),
     ]
     for m in msgs:
         assert proto.decode(proto.encode(m), 1 << 20) == m
@@ -30,10 +37,11 @@ def test_roundtrip_every_message() -> None:
     [
         (b"\xc1", "malformed"),
         (b"\x81\xa4type\xa5query", "malformed"),  # missing fields
-        (proto.encode(proto.Query(v=7, req_id="r")), "version"),
-        (b"\x83\xa4type\xa5query\xa1v\x01\xa6req_id\x05", "malformed"),  # wrong type
-        (b"\x83\xa4type\xa4evil\xa1v\x01\xa6req_id\xa1r", "malformed"),  # unknown tag
-        (b"\x84\xa4type\xa5query\xa1v\x01\xa6req_id\xa1r\xa1z\x01", "malformed"),  # unknown field
+        (proto.encode(proto.Query(v=7, transfer_id=TID, token=TOK)), "version"),
+        (b"\x83\xa4type\xa5hello\xa1v\x01\xa6compat\x80", "version 1"),  # a v1 Hello
+        (b"\x84\xa4type\xa5query\xa1v\x02\xabtransfer_id\x05\xa5token\x05", "malformed"),  # wrong type
+        (b"\x83\xa4type\xa4evil\xa1v\x02\xa6req_id\xa1r", "malformed"),  # unknown tag
+        (proto.encode(proto.Query(v=2, transfer_id=TID, token=TOK))[:-1] + b"\x01", "malformed"),
         (b"x" * 2000, "exceeds"),
     ],
 )
@@ -43,12 +51,31 @@ def test_decode_rejects(frame: bytes, needle: str) -> None:
 
 
 def test_decode_range_checks() -> None:
-    bad = proto.encode(proto.Regions(v=1, req_id="r", anchor_offset=0, anchor_nbytes=4,
+    bad = proto.encode(proto.Regions(v=2, transfer_id=TID, anchor_offset=0, anchor_nbytes=4,
                                      residual_offset=-1, residual_nbytes=0)).replace(b"\xff", b"\xfe")
     with pytest.raises(proto.ProtocolError):  # residual_offset -2 is out of range
         proto.decode(bad, 1000)
-    with pytest.raises(proto.ProtocolError):
-        proto.decode(proto.encode(proto.Query(v=1, req_id="r" * 600)), 10_000)
+    for tid in ("A" * 32, "a" * 31, "g" * 32, "a" * 33):  # transfer ids and tokens: 32 lower-case hex
+        frame = proto.encode(proto.Query(v=2, transfer_id=TID, token=TOK)).replace(TID.encode(), tid.encode())
+        with pytest.raises(proto.ProtocolError):
+            proto.decode(frame, 10_000)
+
+
+def test_sealed_frames_mac_and_seq() -> None:
+    key = proto.session_key(b"k" * 32, b"n" * 16, b"p" * 16)
+    frame = proto.seal(key, proto.D_TO_P, 1, b"payload")
+    op = proto.Opener(key, proto.D_TO_P)
+    assert op.open(frame) == ("ok", b"payload")
+    assert op.open(frame) == ("replayed", b"")  # the same seq again
+    assert op.open(proto.seal(key, proto.D_TO_P, 1, b"other"))[0] == "replayed"
+    flipped = bytearray(proto.seal(key, proto.D_TO_P, 2, b"payload"))
+    flipped[3] ^= 1
+    assert op.open(bytes(flipped))[0] == "bad_mac"
+    assert op.open(proto.seal(key, proto.P_TO_D, 3, b"payload"))[0] == "bad_mac"  # reflected direction
+    assert op.open(proto.seal(b"z" * 32, proto.D_TO_P, 4, b"payload"))[0] == "bad_mac"
+    assert op.open(proto.seal(key, proto.D_TO_P, 9, b"late")) == ("ok", b"late")
+    k = b"k" * 32
+    assert proto.proof_p(k, b"1" * 16, b"2" * 16) != proto.proof_d(k, b"1" * 16, b"2" * 16)
 
 
 def test_compat_hash_and_diff() -> None:

@@ -17,12 +17,12 @@ from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.sink import TransferSink
 from lynx_connector.transport.source import TransferSource
 
-from .fakes import FakeFabric, FakeNixlWrapper
+from .fakes import TEST_KEY, FakeFabric, FakeNixlWrapper
 from .test_transport_source_sink import COMPAT, collect, stage, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
-CFG = dict(pool_bytes=1 << 22, chunk_bytes=64 << 10, lease_s=30.0, retry_s=0.01)
+CFG = dict(pool_bytes=1 << 22, chunk_bytes=64 << 10, lease_s=30.0, retry_s=0.01, key=TEST_KEY)
 
 
 @pytest.fixture
@@ -38,15 +38,15 @@ def pair(fabric: FakeFabric) -> Iterator[tuple[TransferSource, TransferSink]]:
 def drop_replies(src: TransferSource, should_drop) -> list[str]:
     """Make the source lose the replies for which ``should_drop(msg)`` is true; returns the dropped kinds."""
     dropped: list[str] = []
-    real = src._reply
+    real = src._reply_sealed
 
-    def reply(ident: bytes, msg: proto.Message) -> None:
+    def reply(ident: bytes, sess, msg: proto.Message) -> None:
         if should_drop(msg):
             dropped.append(type(msg).__name__)
             return
-        real(ident, msg)
+        real(ident, sess, msg)
 
-    src._reply = reply  # type: ignore[method-assign]
+    src._reply_sealed = reply  # type: ignore[method-assign]
     return dropped
 
 
@@ -66,7 +66,11 @@ def pausable(src: TransferSource) -> threading.Lock:
 
 def pull(sink: TransferSink, src: TransferSource, req: str, a: int = 3000, r: int = 2000):
     v = sink.pool.alloc_request(req, a, r)
-    sink.pull(req, *src.address, req, v.anchor, v.residual)
+    try:
+        tid, token = src.ticket(req)
+    except KeyError:  # not expected yet: the test stages it later with these credentials
+        tid, token = src.expect(req)
+    sink.pull(req, *src.address, tid, token, v.anchor, v.residual)
     return v
 
 
@@ -99,8 +103,9 @@ def test_one_silent_request_fails_alone(pair) -> None:
     """P never answers for request 'mute': it fails at its own deadline; the other requests pulled from the same
     peer before, during and after are all served, and the peer stays cached."""
     src, sink = pair
-    drop_replies(src, lambda m: getattr(m, "req_id", "") == "mute")
     stage(src, "mute", 3000, 2000)
+    mute = src.ticket("mute")[0]
+    drop_replies(src, lambda m: getattr(m, "transfer_id", "") == mute)
     pull(sink, src, "mute")
     oks = []
     for i in range(4):
@@ -111,7 +116,7 @@ def test_one_silent_request_fails_alone(pair) -> None:
     evs = collect(sink, 2, timeout=5.0)
     assert all(e.ok for e in oks) and {e.req_id for e in oks} == {f"ok{i}" for i in range(4)}
     assert [e.req_id for e in evs] == ["mute", "mute"] and not any(e.ok for e in evs)
-    assert all("did not serve 'mute'" in e.error for e in evs)
+    assert all("did not serve" in e.error and "'mute'" in e.error for e in evs)
     assert sink.stats()["peers"] == 1 and sink.stats()["pulls_live"] == 0
     stage(src, "after", 3000, 2000)
     pull(sink, src, "after")
@@ -194,10 +199,10 @@ def test_not_ready_retries_back_off(pair) -> None:
     queries = []
     real = src._answer
 
-    def counting(msg):
+    def counting(sess, msg):
         if isinstance(msg, proto.Query):
             queries.append(time.monotonic())
-        return real(msg)
+        return real(sess, msg)
 
     src._answer = counting  # type: ignore[method-assign]
     time.sleep(1.0)
@@ -234,11 +239,14 @@ def test_request_p_does_not_have_fails_after_the_grace_not_the_deadline(fabric: 
     sink = TransferSink(TransportConfig(**CFG, timeout_s=20.0, unknown_grace_s=1.0), COMPAT,
                         nixl=FakeNixlWrapper(fabric, "D"))
     try:
+        import secrets
+
         t0 = time.monotonic()
-        pull(sink, src, "ghost")
+        v = sink.pool.alloc_request("ghost", 3000, 2000)  # a transfer P never heard of
+        sink.pull("ghost", *src.address, secrets.token_hex(16), secrets.token_hex(16), v.anchor, v.residual)
         evs = collect(sink, 2, timeout=5.0)
         assert 1.0 <= time.monotonic() - t0 < 3.0
-        assert all(not e.ok and "does not have 'ghost'" in e.error for e in evs)
+        assert all(not e.ok and "does not have transfer" in e.error and "'ghost'" in e.error for e in evs)
         assert sink.stats()["pulls_live"] == 0
     finally:
         sink.close()

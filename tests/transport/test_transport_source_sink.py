@@ -16,7 +16,7 @@ from lynx_connector.transport.pool import StagingFullError
 from lynx_connector.transport.sink import TransferSink
 from lynx_connector.transport.source import TransferSource
 
-from .fakes import FakeFabric, FakeNixlWrapper
+from .fakes import TEST_KEY, FakeFabric, FakeNixlWrapper
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,7 +39,8 @@ def collect(sink: TransferSink, n: int, timeout: float = 5.0) -> list[TransferEv
 
 @pytest.fixture
 def pair(fabric: FakeFabric) -> Iterator[tuple[TransferSource, TransferSink]]:
-    cfg = TransportConfig(pool_bytes=1 << 22, chunk_bytes=64 << 10, timeout_s=1.5, lease_s=30.0, retry_s=0.01)
+    cfg = TransportConfig(pool_bytes=1 << 22, chunk_bytes=64 << 10, timeout_s=1.5, lease_s=30.0, retry_s=0.01,
+                          key=TEST_KEY)
     src = TransferSource(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
     sink = TransferSink(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "D"), record_posts=True)
     yield src, sink
@@ -63,8 +64,8 @@ def test_pull_byte_exact_and_done_frees_p(pair) -> None:
     st2 = stage(src, "p2", 50_000, 0)
     loc = sink.pool.alloc_request("d1", 100_000, 300_000)
     loc2 = sink.pool.alloc_request("d2", 50_000, 0)
-    sink.pull("d1", *src.address, "p1", loc.anchor, loc.residual)
-    sink.pull("d2", *src.address, "p2", loc2.anchor, None)
+    sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, loc.residual)
+    sink.pull("d2", *src.address, *src.ticket("p2"), loc2.anchor, None)
     evs = collect(sink, 3)
     assert all(e.ok for e in evs) and {(e.req_id, e.stream) for e in evs} == {
         ("d1", "anchor"), ("d1", "residual"), ("d2", "anchor")}
@@ -83,7 +84,7 @@ def test_not_ready_until_published(pair) -> None:
     src, sink = pair
     st = stage(src, "p1", 4096, 4096, publish=False)
     loc = sink.pool.alloc_request("d1", 4096, 4096)
-    sink.pull("d1", *src.address, "p1", loc.anchor, loc.residual)
+    sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, loc.residual)
     time.sleep(0.2)
     assert sink.poll() == []
     src.publish("p1")
@@ -98,8 +99,8 @@ def test_unpublished_times_out_and_size_mismatch(pair) -> None:
     loc = sink.pool.alloc_request("d1", 4096, 0)
     loc2 = sink.pool.alloc_request("d2", 4096, 4096)
     t0 = time.monotonic()
-    sink.pull("d1", *src.address, "p1", loc.anchor, None)
-    sink.pull("d2", *src.address, "p2", loc2.anchor, loc2.residual)
+    sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, None)
+    sink.pull("d2", *src.address, *src.ticket("p2"), loc2.anchor, loc2.residual)
     evs = collect(sink, 3)
     by = {(e.req_id, e.stream): e for e in evs}
     assert "size mismatch" in by[("d2", "anchor")].error and "8192" in by[("d2", "residual")].error
@@ -110,47 +111,55 @@ def test_unpublished_times_out_and_size_mismatch(pair) -> None:
 
 def test_incompatible_handshake_names_fields(pair, fabric: FakeFabric) -> None:
     src, _ = pair
-    other = TransferSink(TransportConfig(pool_bytes=1 << 16, timeout_s=2.0),
+    """v2: the peer learns only that it was refused (incompatible, named in its error); the differing fields go
+    to P's log, never to the peer."""
+    other = TransferSink(TransportConfig(pool_bytes=1 << 16, timeout_s=2.0, key=TEST_KEY),
                          {**COMPAT, "layers": 32, "codec": "int8"}, nixl=FakeNixlWrapper(fabric, "D2"))
     try:
         loc = other.pool.alloc_request("x", 4096, 0)
-        other.pull("x", *src.address, "nope", loc.anchor, None)
+        other.pull("x", *src.address, "a" * 32, "b" * 32, loc.anchor, None)
         (ev,) = collect(other, 1)
-        assert not ev.ok and "incompatible" in ev.error and "layers" in ev.error and "codec" in ev.error
-        assert "head_size" not in ev.error and other.stats()["peers"] == 0
+        assert not ev.ok and "incompatible" in ev.error and other.stats()["peers"] == 0
+        assert "layers" not in ev.error and "int8" not in ev.error
+        assert src.stats()["auth_failed"] == 1 and src.stats()["sessions"] == 0
     finally:
         other.close()
 
 
 def test_malformed_messages_rejected_listener_keeps_serving(pair) -> None:
+    """Outside a session every malformed, oversized or unexpected message gets the same Error("refused");
+    a v1 Hello gets "unsupported_version"; the listener keeps serving."""
     src, sink = pair
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.setsockopt(zmq.RCVTIMEO, 3000)
     raw.connect("tcp://{}:{}".format(*src.address))
+    v1_hello = b"\x83\xa4type\xa5hello\xa1v\x01\xa6compat\x80"
     try:
-        for junk in [b"\xc1", b"not msgpack at all", proto.encode(proto.Query(v=9, req_id="r")), b"x" * (3 << 19)]:
+        for junk in [b"\xc1", b"not msgpack at all", b"x" * (3 << 15),
+                     proto.encode(proto.Query(v=2, transfer_id="a" * 32, token="b" * 32)),
+                     proto.encode(proto.Regions(v=2, transfer_id="a" * 32, anchor_offset=0, anchor_nbytes=1,
+                                                residual_offset=-1, residual_nbytes=0))]:
             raw.send(junk)
             reply = proto.decode(raw.recv(), 1 << 20)
-            assert isinstance(reply, proto.Error) and reply.code == "malformed"
+            assert isinstance(reply, proto.Error) and (reply.code, reply.message) == ("refused", "refused")
         raw.send_multipart([b"a", b"b"])
-        assert proto.decode(raw.recv(), 1 << 20).code == "malformed"
-        raw.send(proto.encode(proto.Regions(v=1, req_id="r", anchor_offset=0, anchor_nbytes=1,
-                                            residual_offset=-1, residual_nbytes=0)))
-        assert proto.decode(raw.recv(), 1 << 20).code == "unexpected"
+        assert proto.decode(raw.recv(), 1 << 20).code == "refused"
+        raw.send(v1_hello)
+        assert proto.decode(raw.recv(), 1 << 20).code == "unsupported_version"
     finally:
         raw.close()
-    assert src.stats()["malformed"] >= 4
+    assert src.stats()["malformed"] >= 4 and src.stats()["refused"] >= 2
     st = stage(src, "p1", 4096, 0)
     loc = sink.pool.alloc_request("d1", 4096, 0)
-    sink.pull("d1", *src.address, "p1", loc.anchor, None)
+    sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, None)
     (ev,) = collect(sink, 1)
     assert ev.ok and torch.equal(loc.anchor, st.anchor)
 
 
 def test_lease_expiry_abort_and_pool_full(fabric: FakeFabric) -> None:
-    cfg = TransportConfig(pool_bytes=1 << 16, lease_s=0.3)
+    cfg = TransportConfig(pool_bytes=1 << 16, lease_s=0.3, key=TEST_KEY)
     src = TransferSource(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
     try:
         stage(src, "leased", 1000, 1000)
@@ -170,12 +179,12 @@ def test_silent_peer_fails_within_timeout(fabric: FakeFabric) -> None:
     silent = ctx.socket(zmq.ROUTER)
     silent.setsockopt(zmq.LINGER, 0)
     port = silent.bind_to_random_port("tcp://127.0.0.1")
-    sink = TransferSink(TransportConfig(pool_bytes=1 << 16, timeout_s=0.5), COMPAT,
+    sink = TransferSink(TransportConfig(pool_bytes=1 << 16, timeout_s=0.5, key=TEST_KEY), COMPAT,
                         nixl=FakeNixlWrapper(fabric, "D"))
     try:
         loc = sink.pool.alloc_request("d", 4096, 4096)
         t0 = time.monotonic()
-        sink.pull("d", "127.0.0.1", port, "r", loc.anchor, loc.residual)
+        sink.pull("d", "127.0.0.1", port, "a" * 32, "b" * 32, loc.anchor, loc.residual)
         evs = collect(sink, 2, timeout=3.0)
         assert time.monotonic() - t0 < 1.5
         assert [e.stream for e in evs] == ["anchor", "residual"] and all("did not serve" in e.error for e in evs)
@@ -191,7 +200,7 @@ def test_nixl_failure_mid_transfer_and_abort(pair) -> None:
     stage(src, "p1", 8192, 65536)
     loc = sink.pool.alloc_request("d1", 8192, 65536)
     dnixl.fail_peers.add("P")
-    sink.pull("d1", *src.address, "p1", loc.anchor, loc.residual)
+    sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, loc.residual)
     evs = collect(sink, 2)
     assert not any(e.ok for e in evs) and "ERR" in evs[0].error
     assert sink.stats()["peers"] == 0  # dropped: the next pull re-handshakes
@@ -199,7 +208,7 @@ def test_nixl_failure_mid_transfer_and_abort(pair) -> None:
     dnixl.hang = True
     stage(src, "p2", 8192, 0)
     loc2 = sink.pool.alloc_request("d2", 8192, 0)
-    sink.pull("d2", *src.address, "p2", loc2.anchor, None)
+    sink.pull("d2", *src.address, *src.ticket("p2"), loc2.anchor, None)
     wait_for(lambda: dnixl.live_handles > 0)
     sink.abort("d2")
     assert dnixl.live_handles == 0 and sink.stats()["pulls_live"] == 0
@@ -207,7 +216,7 @@ def test_nixl_failure_mid_transfer_and_abort(pair) -> None:
     time.sleep(0.1)
     assert sink.poll() == []
     with pytest.raises(ValueError, match="inside"):
-        sink.pull("d3", *src.address, "p3", torch.zeros(8, dtype=torch.uint8), None)
+        sink.pull("d3", *src.address, "c" * 32, "d" * 32, torch.zeros(8, dtype=torch.uint8), None)
 
 
 def test_anchor_only_pull_leaves_the_residual_unread(pair) -> None:
@@ -215,7 +224,7 @@ def test_anchor_only_pull_leaves_the_residual_unread(pair) -> None:
     src, sink = pair
     st = stage(src, "p1", 4096, 8192)
     loc = sink.pool.alloc_request("d1", 4096, 0)
-    sink.pull("d1", *src.address, "p1", loc.anchor, None)
+    sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, None)
     (ev,) = collect(sink, 1)
     assert ev.ok and ev.stream == "anchor" and torch.equal(loc.anchor, st.anchor)
     time.sleep(0.2)

@@ -12,6 +12,7 @@ how long a new anchor waits behind a residual already being read. Times run from
 from __future__ import annotations
 
 import argparse
+import secrets
 import statistics
 import sys
 import time
@@ -28,6 +29,7 @@ SCHEMES = ("lynx", "int4", "int8", "fp8", "bf16")
 DEFAULT_RATES = (10.0, 25.0, 50.0)
 MB = 1 << 20
 COMPAT = {"bench": "transfer", "version": 1}
+BENCH_KEY = secrets.token_bytes(32)  # this run's side-channel key (P and D; the P process gets it in its config)
 
 
 def plane_sizes(scheme: str, layers: int, tokens: int, heads: int, head_dim: int) -> tuple[int, int]:
@@ -73,10 +75,11 @@ class _Runner:
             self.n += 1
             names.append((f"q{self.n}", a, r, -(self.n % 200) - 1))
         self.call("stage", names, True)
+        tickets = self.call("tickets", [n for n, *_ in names])
         views = {n: sink.pool.alloc_request(n, a, r) for n, a, r, _ in names}
         p0, d0 = self.call("stats")["cpu_s"], sink.cpu_s
         for n, st in views.items():
-            sink.pull(n, *self.addr, n, st.anchor, st.residual)
+            sink.pull(n, *self.addr, *tickets[n], st.anchor, st.residual)
         want = sum(1 if r == 0 else 2 for _, _, r, _ in names)
         evs: list[Any] = []
         end = time.monotonic() + timeout
@@ -109,7 +112,7 @@ def _sink(link_gbps: float | None, pool_bytes: int, chunk_bytes: int = 1 * MB) -
     from lynx_connector.transport.sink import TransferSink
 
     cfg = TransportConfig(link_gbps=link_gbps, pool_bytes=pool_bytes, chunk_bytes=chunk_bytes,
-                          window_bytes=max(4 * MB, chunk_bytes), timeout_s=30.0)
+                          window_bytes=max(4 * MB, chunk_bytes), timeout_s=30.0, key=BENCH_KEY)
     return TransferSink(cfg, COMPAT)
 
 
@@ -166,14 +169,15 @@ def _chunk_sweep(run: _Runner, residual: int, chunks: list[int], pool: int) -> l
             run.n += 2
             x, y = f"q{run.n - 1}", f"q{run.n}"
             run.call("stage", [(x, 64 * 1024, residual, -3), (y, MB, 0, -4)], True)
+            tickets = run.call("tickets", [x, y])
             vx, vy = sink.pool.alloc_request(x, 64 * 1024, residual), sink.pool.alloc_request(y, MB, 0)
-            sink.pull(x, *run.addr, x, vx.anchor, vx.residual)
+            sink.pull(x, *run.addr, *tickets[x], vx.anchor, vx.residual)
             evs: list[Any] = []
             while not evs:
                 evs += sink.poll()
                 time.sleep(0.0002)
             time.sleep(0.002)  # x's residual is being read now
-            sink.pull(y, *run.addr, y, vy.anchor, None)
+            sink.pull(y, *run.addr, *tickets[y], vy.anchor, None)
             end = time.monotonic() + 60
             while len(evs) < 3 and time.monotonic() < end:
                 evs += sink.poll()
@@ -272,7 +276,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     conc = plane_sizes("lynx", layers, conc_tokens, heads, dim)
     biggest = max(max(a + r for a, r in sizes.values()), 8 * sum(conc), 128 * MB)
     pool = int(biggest * 1.2) + 16 * MB
-    proc, conn, addr = start_source_process(TransportConfig(pool_bytes=pool, lease_s=600.0), COMPAT)
+    proc, conn, addr = start_source_process(TransportConfig(pool_bytes=pool, lease_s=600.0, key=BENCH_KEY), COMPAT)
     runner = _Runner(conn, addr)
     try:
         rows, concurrent = [], []

@@ -1,0 +1,279 @@
+"""Issue 14 (items 1, 2 and the frame cap of 5), protocol v2: every attack below succeeded against v1.
+
+Real zmq side channel, fake NIXL. An outsider is a raw DEALER socket speaking the wire protocol by hand.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+import zmq
+
+from lynx_connector.config import LynxConfig
+from lynx_connector.transport import protocol as proto
+from lynx_connector.transport.config import TransportConfig
+from lynx_connector.transport.keys import KEY_ENV, KEY_FILE_ENV, SideChannelKeyError, load_side_channel_key
+from lynx_connector.transport.sink import TransferSink
+from lynx_connector.transport.source import TransferSource
+
+from .fakes import OTHER_KEY, TEST_KEY, FakeFabric, FakeNixlWrapper
+from .test_transport_source_sink import COMPAT, collect, stage, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+CFG = dict(pool_bytes=1 << 22, chunk_bytes=64 << 10, timeout_s=1.5, lease_s=30.0, retry_s=0.01)
+
+
+@pytest.fixture
+def src(fabric: FakeFabric) -> Iterator[TransferSource]:
+    s = TransferSource(TransportConfig(**CFG, key=TEST_KEY), COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def sinks(fabric: FakeFabric) -> Iterator:
+    made: list[TransferSink] = []
+
+    def make(key: bytes | None = TEST_KEY, name: str | None = None, **kw) -> TransferSink:
+        sink = TransferSink(TransportConfig(**{**CFG, **kw}, key=key), COMPAT,
+                            nixl=FakeNixlWrapper(fabric, name or f"D{len(made)}"))
+        made.append(sink)
+        return sink
+
+    yield make
+    for s in made:
+        s.close()
+
+
+class Raw:
+    """An outsider's DEALER socket; ``handshake(key)`` runs the v2 handshake by hand (with a key it holds)."""
+
+    def __init__(self, addr: tuple[str, int]) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, 3000)
+        self.sock.connect("tcp://{}:{}".format(*addr))
+        self.skey, self.seq = b"", 0
+        self.opener: proto.Opener | None = None
+
+    def ask(self, frame: bytes) -> bytes:
+        self.sock.send(frame)
+        return self.sock.recv()
+
+    def plain(self, frame: bytes) -> proto.Message:
+        return proto.decode(self.ask(frame), 1 << 21)
+
+    def handshake(self, key: bytes) -> proto.Message:
+        ch = self.plain(proto.encode(proto.Hello(v=2, nonce_d=b"N" * 16, compat_hash="0" * 64)))
+        assert isinstance(ch, proto.Challenge)
+        self.skey = proto.session_key(key, b"N" * 16, ch.nonce_p)
+        self.opener = proto.Opener(self.skey, proto.P_TO_D)
+        auth = proto.Auth(v=2, proof_d=proto.proof_d(key, b"N" * 16, ch.nonce_p), compat=COMPAT)
+        return self.sealed(auth)
+
+    def seal(self, msg: proto.Message) -> bytes:
+        self.seq += 1
+        return proto.seal(self.skey, proto.D_TO_P, self.seq, proto.encode(msg))
+
+    def sealed(self, msg: proto.Message) -> proto.Message:
+        reply = self.ask(self.seal(msg))
+        if reply[:1] != bytes([proto.SEALED]):
+            return proto.decode(reply, 1 << 21)
+        assert self.opener is not None
+        verdict, payload = self.opener.open(reply)
+        assert verdict == "ok"
+        return proto.decode(payload, 1 << 21)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def refused(msg: proto.Message) -> bool:
+    return isinstance(msg, proto.Error) and (msg.code, msg.message) == ("refused", "refused")
+
+
+def test_outsider_without_the_key_gets_only_refused_and_no_metadata(src: TransferSource) -> None:
+    """v1: a Hello returned P's NIXL metadata and pool address to anyone."""
+    st = stage(src, "p1", 4096, 0)
+    tid, token = src.ticket("p1")
+    raw = Raw(src.address)
+    try:
+        for frame in (proto.encode(proto.Query(v=2, transfer_id=tid, token=token)),
+                      proto.encode(proto.Done(v=2, transfer_id=tid, token=token))):
+            assert refused(raw.plain(frame))
+        reply = raw.handshake(OTHER_KEY)  # a guessed key: the Challenge reveals nothing, the Auth is refused
+        assert refused(reply)
+        for reply_bytes in (raw.ask(raw.seal(proto.Query(v=2, transfer_id=tid, token=token))),):
+            assert refused(proto.decode(reply_bytes, 1 << 20))  # no session: still only "refused"
+    finally:
+        raw.close()
+    stats = src.stats()
+    assert stats["auth_failed"] == 1 and stats["refused"] >= 3 and stats["sessions"] == 0
+    assert stats["regions_live"] == 1 and stats["served_queries"] == 0  # nothing read, nothing freed
+    assert st.anchor.numel() == 4096
+
+
+def test_wrong_key_d_fails_the_handshake_naming_the_key(src: TransferSource, sinks) -> None:
+    stage(src, "p1", 4096, 0)
+    for key in (OTHER_KEY, None):  # another deployment's key, or insecure on D only
+        sink = sinks(key)
+        loc = sink.pool.alloc_request("d1", 4096, 0)
+        sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, None)
+        (ev,) = collect(sink, 1)
+        assert not ev.ok and "LYNX_SIDE_CHANNEL_KEY_FILE" in ev.error and "LYNX_SIDE_CHANNEL_KEY" in ev.error
+        assert "key" in ev.error and sink.stats()["peers"] == 0
+    assert src.stats()["regions_live"] == 1 and src.stats()["sessions"] == 0
+
+
+def test_stranger_knowing_the_id_but_not_the_token(src: TransferSource, sinks) -> None:
+    """v1: the request id was the only credential (Query an existence oracle, anyone's Done freed it)."""
+    stage(src, "p1", 4096, 4096)
+    tid, token = src.ticket("p1")
+    raw = Raw(src.address)
+    try:
+        assert isinstance(raw.handshake(TEST_KEY), proto.HelloOk)  # even an authenticated peer
+        wrong = raw.sealed(proto.Query(v=2, transfer_id=tid, token="0" * 32))
+        missing = raw.sealed(proto.Query(v=2, transfer_id="f" * 32, token="0" * 32))
+        assert isinstance(wrong, proto.Error) and wrong.code == "unknown_request"
+        assert (wrong.code, wrong.message) == (missing.code, missing.message)  # the same answer
+        done = raw.sealed(proto.Done(v=2, transfer_id=tid, token="0" * 32))
+        assert isinstance(done, proto.Error) and done.code == "unknown_request"
+    finally:
+        raw.close()
+    assert src.stats()["regions_live"] == 2 and src.stats()["freed_done"] == 0  # staging not freed
+    # NIXL notifications: the v1 form and a wrong token free nothing; the right one does
+    pnixl: FakeNixlWrapper = src._nixl  # type: ignore[assignment]
+    pnixl.notifs = {"D9": [f"done:{tid}".encode(), f"done:{tid}:{'0' * 32}".encode(), b"done:p1"]}
+    wait_for(lambda: src.stats()["bad_notif"] == 3)
+    assert src.stats()["regions_live"] == 2
+    sink = sinks()
+    loc = sink.pool.alloc_request("d1", 4096, 4096)
+    sink.pull("d1", *src.address, tid, token, loc.anchor, loc.residual)
+    assert all(e.ok for e in collect(sink, 2))  # the owner is served as ever
+    wait_for(lambda: src.stats()["regions_live"] == 0)
+    stage(src, "p2", 4096, 0)
+    tid2, token2 = src.ticket("p2")
+    pnixl.notifs = {"D9": [f"done:{tid2}:{token2}".encode()]}
+    wait_for(lambda: src.stats()["regions_live"] == 0)
+
+
+def test_second_session_cannot_steal_an_owned_transfer(src: TransferSource, sinks) -> None:
+    """Done is bound to the peer that pulled: another authenticated session holding the token is refused."""
+    st = stage(src, "p1", 4096, 65536)
+    tid, token = src.ticket("p1")
+    owner = sinks()
+    dnixl: FakeNixlWrapper = owner._nixl  # type: ignore[assignment]
+    dnixl.hang = True  # the owner's READ is in flight
+    loc = owner.pool.alloc_request("d1", 4096, 65536)
+    owner.pull("d1", *src.address, tid, token, loc.anchor, loc.residual)
+    wait_for(lambda: src.stats()["served_queries"] == 1)
+    thief = Raw(src.address)
+    try:
+        assert isinstance(thief.handshake(TEST_KEY), proto.HelloOk)
+        for msg in (proto.Query(v=2, transfer_id=tid, token=token), proto.Done(v=2, transfer_id=tid, token=token)):
+            reply = thief.sealed(msg)
+            assert isinstance(reply, proto.Error) and reply.code == "unknown_request"
+    finally:
+        thief.close()
+    assert src.stats()["regions_live"] == 2
+    dnixl.hang = False
+    assert all(e.ok for e in collect(owner, 2))
+    assert torch.equal(loc.residual, st.residual)
+    wait_for(lambda: src.stats()["regions_live"] == 0)  # the owner's Done frees it
+
+
+def test_tampered_and_replayed_frames_are_dropped(src: TransferSource) -> None:
+    stage(src, "p1", 4096, 0)
+    tid, token = src.ticket("p1")
+    raw = Raw(src.address)
+    try:
+        assert isinstance(raw.handshake(TEST_KEY), proto.HelloOk)
+        query = raw.seal(proto.Query(v=2, transfer_id=tid, token=token))
+        raw.sock.send(query)
+        verdict, _ = raw.opener.open(raw.sock.recv())
+        assert verdict == "ok"
+        raw.sock.setsockopt(zmq.RCVTIMEO, 300)
+        tampered = bytearray(raw.seal(proto.Done(v=2, transfer_id=tid, token=token)))
+        tampered[5] ^= 0x40
+        for frame in (query, bytes(tampered)):  # a replay of the Query, a flipped bit in a Done
+            raw.sock.send(frame)
+            with pytest.raises(zmq.Again):
+                raw.sock.recv()
+    finally:
+        raw.close()
+    stats = src.stats()
+    assert stats["replayed"] == 1 and stats["bad_mac"] == 1 and stats["regions_live"] == 1
+
+
+def test_oversized_frames_capped_and_bad_frame_logs_rate_limited(src: TransferSource, caplog) -> None:
+    assert src.config.max_message_bytes == 64 << 10
+    raw = Raw(src.address)
+    caplog.set_level(logging.WARNING)
+    try:
+        for _ in range(5):
+            assert refused(raw.plain(b"\x92" + b"x" * (100 << 10)))
+        raw.sock.send(b"\x92" + b"x" * (200 << 10))  # over zmq's MAXMSGSIZE: the connection is dropped
+    finally:
+        raw.close()
+    lines = [r.getMessage() for r in caplog.records if "side channel" in r.getMessage()]
+    assert src.stats()["malformed"] == 5 and 1 <= len(lines) <= 2 and all(len(x) <= 220 for x in lines)
+    assert src.stats()["logs_suppressed"] >= 3
+
+
+def test_reconnect_runs_the_handshake_again_and_keeps_ownership(src: TransferSource, sinks) -> None:
+    """Issue 13's reconnect stays: a fresh socket runs the full handshake and resumes the session, so the
+    transfers this D owns stay its own."""
+    stage(src, "p1", 4096, 0)
+    sink = sinks(resend_s=0.2, reconnect_s=0.5)
+    loc = sink.pool.alloc_request("d1", 4096, 0)
+    sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, None)
+    assert all(e.ok for e in collect(sink, 1))
+    src._sessions.clear()  # P forgets every session (as if it dropped ours)
+    stage(src, "p2", 4096, 0)
+    loc2 = sink.pool.alloc_request("d2", 4096, 0)
+    sink.pull("d2", *src.address, *src.ticket("p2"), loc2.anchor, None)
+    assert all(e.ok for e in collect(sink, 1, timeout=5.0))
+    assert sink.stats()["sessions_lost"] == 1 and sink.stats()["handshakes"] == 2
+    wait_for(lambda: src.stats()["regions_live"] == 0)
+
+
+def test_insecure_mode_works_and_warns(fabric: FakeFabric, caplog) -> None:
+    caplog.set_level(logging.WARNING)
+    assert load_side_channel_key(insecure=True, environ={}) is None
+    assert any("insecure_side_channel" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    assert LynxConfig.from_extra_config({"insecure_side_channel": "true"}).insecure_side_channel is True
+    cfg = TransportConfig(**CFG, key=None)
+    s = TransferSource(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
+    d = TransferSink(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "D"))
+    try:
+        st = stage(s, "p1", 4096, 0)
+        loc = d.pool.alloc_request("d1", 4096, 0)
+        d.pull("d1", *s.address, *s.ticket("p1"), loc.anchor, None)
+        (ev,) = collect(d, 1)
+        assert ev.ok and torch.equal(loc.anchor, st.anchor)
+    finally:
+        d.close()
+        s.close()
+
+
+def test_missing_short_or_malformed_key_is_a_clear_start_up_error(tmp_path) -> None:
+    for env in ({}, {KEY_ENV: "ab" * 16 + "zz"}, {KEY_ENV: "ab" * 31}, {KEY_FILE_ENV: str(tmp_path / "nope")}):
+        with pytest.raises(SideChannelKeyError) as err:
+            load_side_channel_key(environ=env)
+        assert KEY_ENV in str(err.value) and KEY_FILE_ENV in str(err.value)
+        assert "insecure_side_channel" in str(err.value)
+    assert load_side_channel_key(environ={KEY_ENV: "ab" * 32}) == bytes.fromhex("ab" * 32)
+    (tmp_path / "key").write_text("cd" * 32 + "\n")
+    (tmp_path / "raw").write_bytes(bytes(range(200, 240)))
+    env = {KEY_FILE_ENV: str(tmp_path / "key"), KEY_ENV: "ab" * 32}  # the file wins
+    assert load_side_channel_key(environ=env) == bytes.fromhex("cd" * 32)
+    assert load_side_channel_key(environ={KEY_FILE_ENV: str(tmp_path / "raw")}) == bytes(range(200, 240))
+    (tmp_path / "short").write_bytes(b"0123")
+    with pytest.raises(SideChannelKeyError, match="at least 32"):
+        load_side_channel_key(environ={KEY_FILE_ENV: str(tmp_path / "short")})
+    with pytest.raises(ValueError, match="key"):
+        TransportConfig(key=b"short")
