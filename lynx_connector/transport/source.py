@@ -382,19 +382,22 @@ class TransferSource:
                 return
             self._handle(frames)
 
-    def _send(self, ident: bytes, frame: bytes, what: str) -> None:
+    def _send(self, ident: bytes, frame: bytes, what: str) -> bool:
         try:
             self._sock.send_multipart([ident, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone (EHOSTUNREACH) or its queue full (EAGAIN): D will ask again
             self.counters["replies_dropped"] += 1
             self._log.warn("dropped", f"side-channel reply {what} dropped: {exc}")
+            return False
+        return True
 
     def _reply_plain(self, ident: bytes, msg: proto.Message) -> None:
         self._send(ident, proto.encode(msg), type(msg).__name__)
 
-    def _reply_sealed(self, ident: bytes, sess: _Session, msg: proto.Message) -> None:
+    def _reply_sealed(self, ident: bytes, sess: _Session, msg: proto.Message) -> bool:
         sess.send_seq += 1
-        self._send(ident, proto.seal(sess.skey, proto.P_TO_D, sess.send_seq, proto.encode(msg)), type(msg).__name__)
+        return self._send(ident, proto.seal(sess.skey, proto.P_TO_D, sess.send_seq, proto.encode(msg)),
+                          type(msg).__name__)
 
     def _refuse(self, ident: bytes, counter: str, kind: str, why: str) -> None:
         """The one answer for anyone without a session or a failed handshake: Error("refused"), nothing else."""
@@ -463,7 +466,9 @@ class TransferSource:
                 if isinstance(msg, proto.Auth):  # a re-sent Auth: HelloOk again
                     self._reply_sealed(ident, sess, self._hello_ok(sess))
                     return
-                self._reply_sealed(ident, sess, self._answer(sess, msg))
+                reply = self._answer(sess, msg)
+                if not self._reply_sealed(ident, sess, reply) and isinstance(reply, proto.Regions):
+                    self._disown(reply.transfer_id, sess.owner)
                 return
             if ident not in self._pending:
                 self.counters[verdict] += 1
@@ -519,6 +524,15 @@ class TransferSource:
         """The one answer for an unknown transfer id, a wrong token or a transfer another session owns."""
         self.counters["unknown_request"] += 1
         return proto.Error(v=proto.VERSION, code="unknown_request", message="no such request", transfer_id=tid)
+
+    def _disown(self, transfer_id: str, owner: bytes) -> None:
+        """The Regions that made ``owner`` the transfer's owner never reached it (its connection is gone): the
+        transfer is nobody's again, so D's next session (or its Done) is not refused for it."""
+        with self._lock:
+            req_id = self._by_tid.get(transfer_id)
+            entry = self._entries.get(req_id) if req_id is not None else None
+            if entry is not None and entry.owner == owner:
+                entry.owner = None
 
     def _answer(self, sess: _Session, msg: proto.Message) -> proto.Message:
         v = proto.VERSION
