@@ -139,7 +139,12 @@ def test_lynx_serve_with_preset(tmp_path: Path) -> None:
         pytest.skip("model not prepared (python -m lynx_connector.lab.models prepare)")
     port = _free_port()
     log_path = tmp_path / "serve.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    import secrets
+
+    # the deployment key the side channel needs (protocol v2): without it the server refuses to start
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           "LYNX_SIDE_CHANNEL_KEY": secrets.token_hex(32)}
+    env.pop("LYNX_SIDE_CHANNEL_KEY_FILE", None)
     cmd = [str(LYNX), "serve", str(model_dir()), "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4", "--enforce-eager",
            "--seed", "0", "--kv-transfer-config", "lynx"]
