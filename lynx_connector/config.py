@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lynx_connector.logger import init_logger
 from lynx_connector.modes import DEFAULT_MODE, MODE_NAMES, get_mode, is_mode
 from lynx_connector.testing import FAULT_INJECTIONS
+
+if TYPE_CHECKING:
+    from lynx_connector.transport.config import TransportConfig
 
 logger = init_logger(__name__)
 
@@ -162,6 +166,21 @@ class LynxConfig:
             fi = extra["fault_injection"]
             kw["fault_injection"] = None if fi in (None, "", "none") else str(fi)
         return cls(**kw)
+
+    def transport_config(self, tp_rank: int, key: bytes | None, endpoint: str) -> TransportConfig:
+        """The transport settings of one endpoint (``endpoint``: its name, for the status file) of the worker of
+        tensor-parallel rank ``tp_rank``; a fixed side-channel port is offset by the rank."""
+        from lynx_connector.transport.config import TransportConfig  # the transport package loads torch, zmq
+
+        status = None
+        if self.status_dir is not None:
+            os.makedirs(self.status_dir, exist_ok=True)
+            status = os.path.join(self.status_dir, endpoint + ".json")
+        return TransportConfig(
+            link_gbps=self.link_gbps, chunk_bytes=self.chunk_bytes, window_bytes=self.window_bytes,
+            lease_s=self.lease_s, timeout_s=self.timeout_s, host=self.side_channel_host,
+            port=self.side_channel_port + tp_rank if self.side_channel_port else 0,
+            pool_bytes=self.staging_mb << 20, key=key, status_path=status)
 
     def describe(self) -> str:
         """One line for the start-up log."""

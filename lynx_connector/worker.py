@@ -21,9 +21,7 @@ now; a cancelled one (preempted while speculating: its blocks are already freed)
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -62,7 +60,6 @@ from lynx_connector.transport import (
     StagingFullError,
     TransferSink,
     TransferSource,
-    TransportConfig,
     load_side_channel_key,
 )
 
@@ -147,37 +144,20 @@ class LynxConnectorWorker:
             "tp_rank": self.tp_rank,
             "integrity": INTEGRITY_FORMAT,  # the staged layout's trailers: a P and D that differ fail the handshake
         }
-        tcfg = TransportConfig(
-            link_gbps=self.config.link_gbps,
-            chunk_bytes=self.config.chunk_bytes,
-            window_bytes=self.config.window_bytes,
-            lease_s=self.config.lease_s,
-            timeout_s=self.config.timeout_s,
-            host=self.config.side_channel_host,
-            port=self.config.side_channel_port + self.tp_rank if self.config.side_channel_port else 0,
-            pool_bytes=self.config.staging_mb << 20,
-            key=self._key,
-        )
         name = f"lynx-{self.engine_id}-tp{self.tp_rank}"
         if self.is_producer:
-            self.source = TransferSource(self._with_status(tcfg, name + "-src"), compat, name=name + "-src",
-                                         status_extra=self._status_counters)
+            self.source = TransferSource(self.config.transport_config(self.tp_rank, self._key, name + "-src"), compat,
+                                         name=name + "-src", status_extra=self._status_counters)
             # P gives up on a request that found no room before D's own deadline would
             self.saves = SaveQueue(self.source, self._encode_request, wait_s=self.config.timeout_s / 2,
                                    on_reject=self.stats.record_failure)
         if self.is_consumer:
-            self.sink = TransferSink(self._with_status(tcfg, name + "-dst"), compat, name=name + "-dst",
-                                     status_extra=self._status_counters)
+            self.sink = TransferSink(self.config.transport_config(self.tp_rank, self._key, name + "-dst"), compat,
+                                     name=name + "-dst", status_extra=self._status_counters)
         logger.info("LynxConnector worker ready: %d layers, layout %s, mode %s, role %s, side channel %s",
                     len(self.layers), self.layout, self.config.mode,
                     self.vllm_config.kv_transfer_config.kv_role,
                     self.source.address if self.source else None)
-
-    def _with_status(self, tcfg: TransportConfig, name: str) -> TransportConfig:
-        if self.config.status_dir is None:
-            return tcfg
-        os.makedirs(self.config.status_dir, exist_ok=True)
-        return dataclasses.replace(tcfg, status_path=os.path.join(self.config.status_dir, name + ".json"))
 
     def _status_counters(self) -> dict[str, Any]:
         """The worker's queues for the status file (read from a transport thread: sizes only)."""

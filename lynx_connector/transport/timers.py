@@ -1,0 +1,96 @@
+"""The clocks of D's control path (a part of `TransferSink`): each pull's own deadline, NotReady retries with
+back-off, messages re-sent for want of an answer, Dones owed until P acknowledges them, and reconnects of a
+peer that left a message unanswered for ``reconnect_s``. One silent request fails alone; a peer is dropped only
+when it never answered and serves no other pull.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from lynx_connector.logger import init_logger
+from lynx_connector.transport import protocol as proto
+from lynx_connector.transport.link import PeerLink, PullState
+
+logger = init_logger(__name__)
+
+__all__ = ["ControlTimers"]
+
+
+class ControlTimers:
+    """Mixin of `TransferSink`: it works on the sink's pulls, peers and courier (service thread only)."""
+
+    config: Any
+    _pulls: dict[str, PullState]
+    _peers: dict[Any, PeerLink]
+
+    def _reconnect(self, peer: PeerLink, now: float, why: str | None = None) -> None:
+        """A fresh connection and full handshake for a peer that stopped answering (or lost our session); its
+        NIXL agent stays added (transfers in flight go on), waiting pulls are queried again once the handshake is
+        answered; the new session resumes the old one (P keeps our transfers ours)."""
+        logger.warning("lynx sink: peer %s %s with %d pulls waiting: reconnecting", peer.name,
+                       why or f"silent for {peer.silent_for(now):.1f}s", len(self._pulls_of(peer)))
+        peer.reopen()
+        self._reconnects += 1
+        for pull in self._pulls_of(peer):
+            if pull.state == "query":
+                pull.state, pull.sent_at, pull.retry_at = "wait_peer", None, None
+        peer.hello(self.compat_hash)
+
+    def _check_deadlines(self, wait: float | None) -> float | None:
+        """Timers of the control path: deadlines (each pull alone), NotReady retries, re-sent messages and
+        reconnects of silent peers. Returns the sleep until the next timer (merged with ``wait``)."""
+        now = time.monotonic()
+        cfg = self.config
+        timers: list[float] = [] if wait is None else [now + wait]
+        for pull in list(self._pulls.values()):
+            if pull.state == "transferring" or self._pulls.get(pull.req_id) is not pull:
+                continue
+            if now >= pull.deadline:
+                self._expire(pull)
+                continue
+            if pull.retry_at is not None and now >= pull.retry_at:
+                self._query(pull)
+            elif pull.sent_at is not None and now - pull.sent_at >= cfg.resend_s:
+                self._resent += 1
+                self._query(pull)
+            timers.append(pull.deadline)
+            if pull.retry_at is not None:
+                timers.append(pull.retry_at)
+            if pull.sent_at is not None:
+                timers.append(pull.sent_at + cfg.resend_s)
+        for addr, (tid, token) in self._courier.due(now):  # Dones P has not acknowledged yet
+            peer = self._peers.get(addr) or self._connect(addr)
+            peer.send(proto.Done(v=proto.VERSION, transfer_id=tid, token=token))  # sent once the session is up
+        nxt = self._courier.next_time()
+        if nxt is not None:
+            timers.append(nxt)
+        for peer in list(self._peers.values()):
+            waiting = [p for p in self._pulls_of(peer) if p.state != "transferring"]
+            if not waiting and not self._courier.owed_to(peer.addr):
+                continue
+            if peer.silent_for(now) >= cfg.reconnect_s:
+                self._reconnect(peer, now)
+            elif peer.state in ("hello", "auth") and now - peer.hello_at >= cfg.resend_s:
+                self._resent += 1
+                if peer.state == "hello":
+                    peer.hello(self.compat_hash)
+                else:
+                    peer.auth(self.compat)
+            deadline = peer.silence_deadline(cfg.reconnect_s)
+            if deadline is not None:
+                timers.append(deadline)
+            if peer.state in ("hello", "auth"):
+                timers.append(peer.hello_at + cfg.resend_s)
+        return None if not timers else max(0.0, min(timers) - now)
+
+    def _expire(self, pull: PullState) -> None:
+        """A pull's own deadline passed before its transfer started: fail it (only it). A peer that never
+        answered anything since then and serves no other pull is dropped, so the next pull starts afresh."""
+        err = (f"peer {pull.addr[0]}:{pull.addr[1]} did not serve transfer {pull.transfer_id[:8]}… of {pull.req_id!r} "
+               f"within {self.config.timeout_s}s (last answer: {pull.last_reply})")
+        self._fail(pull, err)
+        peer = self._peers.get(pull.addr)
+        if peer is not None and peer.heard_at <= pull.t0 and not self._pulls_of(peer):
+            self._fail_peer(peer, err)
