@@ -48,6 +48,7 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
     "remote_port": None,
 }
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+UPSTREAM_KEEPALIVE_S = 2.0  # below uvicorn's default keep-alive (5 s), which vLLM's OpenAI server uses
 
 
 def normalize_url(url: str) -> str:
@@ -310,7 +311,10 @@ def create_app(config: ProxyConfig) -> web.Application:
     async def open_session(_app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s,
                                         sock_read=config.read_timeout_s)
-        state.session = aiohttp.ClientSession(timeout=timeout)
+        # Idle pooled connections are dropped before vLLM's server (uvicorn, 5 s keep-alive) closes them: reusing one
+        # it is closing answers "Server disconnected" and fails the request (seen after P was paused and resumed).
+        connector = aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_KEEPALIVE_S)
+        state.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
 
     async def close_session(_app: web.Application) -> None:
         if state.session is not None:
