@@ -281,25 +281,20 @@ class TransferSink(ControlTimers):
 
     def _drain_peer(self, peer: PeerLink) -> None:
         for frame in peer.frames():
+            handler = self._on_plain
             if frame[:1] == bytes([proto.SEALED]):
-                verdict, payload = peer.opener.open(frame) if peer.opener is not None else ("bad_mac", b"")
+                verdict, frame = peer.opener.open(frame) if peer.opener is not None else ("bad_mac", b"")
                 if verdict != "ok":
                     self._security[verdict] += 1
                     logger.warning("side channel from %s: dropped a frame (%s)", peer.name, verdict)
                     continue
-                try:
-                    msg = proto.decode(payload, self._max_in)
-                except proto.ProtocolError as exc:
-                    logger.warning("side channel from %s: rejected a malformed reply: %s", peer.name, str(exc)[:200])
-                    continue
-                self._on_reply(peer, msg)
-            else:
-                try:
-                    msg = proto.decode(frame, self._max_in)
-                except proto.ProtocolError as exc:
-                    logger.warning("side channel from %s: rejected a malformed reply: %s", peer.name, str(exc)[:200])
-                    continue
-                self._on_plain(peer, msg)
+                handler = self._on_reply
+            try:
+                msg = proto.decode(frame, self._max_in)
+            except proto.ProtocolError as exc:
+                logger.warning("side channel from %s: rejected a malformed reply: %s", peer.name, str(exc)[:200])
+                continue
+            handler(peer, msg)
             if self._peers.get(peer.addr) is not peer:
                 return
 
