@@ -42,6 +42,7 @@ from lynx_connector.codec import (
     get_codec,
     merge_residual,
     staged_layout,
+    staging_id,
 )
 from lynx_connector.config import LynxConfig
 from lynx_connector.logger import init_logger
@@ -217,14 +218,15 @@ class LynxConnectorWorker:
             return
         staged = self.source.alloc(spec.req_id, a, r, transfer_id=spec.transfer_id or None,
                                    token=spec.token or None)
+        sid = staging_id(self.source.ticket(spec.req_id)[0], staged.generation)  # seeds the checksums
         try:
             for i, (name, kv) in enumerate(self.layers):
                 encode(codec, kv, spec.block_ids, self.layout, spec.num_tokens,
                        sl.anchor.plane(staged.anchor, i), sl.residual.plane(staged.residual, i) if r else None,
                        layer_name=name)
-                sl.anchor.seal(staged.anchor, i, spec.req_id)  # checksums right after the layer is encoded
+                sl.anchor.seal(staged.anchor, i, sid)  # checksums right after the layer is encoded
                 if r:
-                    sl.residual.seal(staged.residual, i, spec.req_id)
+                    sl.residual.seal(staged.residual, i, sid)
         except NonFiniteKVError as exc:
             logger.error("LynxConnector: request %s not sent: %s", spec.req_id, exc)
             self.source.reject(spec.req_id, "nonfinite_kv", f"P's KV of the request is not finite: {exc}")
@@ -272,7 +274,7 @@ class LynxConnectorWorker:
         if spec.num_tokens == 0:  # full local prefix hit: nothing to pull; P frees its staging at the lease
             logger.debug("request %s: prompt fully in D's prefix cache, nothing pulled", spec.req_id)
             return
-        need = sum(self._pull_nbytes(spec))
+        need = sum(self._pull_layout(spec).nbytes)
         if need > self.sink.pool.nbytes:  # can never fit: fail now rather than after waiting for room
             logger.error("LynxConnector: request %s needs %d bytes of staging, more than D's whole pool "
                          "(staging_mb=%d)", spec.req_id, need, self.sink.pool.nbytes >> 20)
@@ -312,15 +314,10 @@ class LynxConnectorWorker:
             sl = sl.without_residual()  # decoding on the anchor alone: P frees the residual with the rest
         return sl
 
-    def _pull_nbytes(self, spec: RecvSpec) -> tuple[int, int]:
-        """Bytes of D's staging for a request's anchor and residual (all layers and their checksum trailers;
-        residual 0 when not pulled)."""
-        return self._pull_layout(spec).nbytes
-
     def _begin_pull(self, spec: RecvSpec, hooks: dict[str, Any]) -> bool:
         """Allocate D's staging for a request and start its pull; False when the pool has no room right now."""
         assert self.sink is not None
-        a, r = self._pull_nbytes(spec)
+        a, r = self._pull_layout(spec).nbytes  # all layers and their trailers; residual 0 when not pulled
         try:
             staged = self.sink.pool.alloc_request(spec.req_id, a, r)
         except StagingFullError:
@@ -336,7 +333,7 @@ class LynxConnectorWorker:
             self._finish_recv(rec, error=f"cannot pull: {exc}")
         return True
 
-    def _verify(self, rec: _Recv, stream: str) -> str | None:
+    def _verify(self, rec: _Recv, stream: str, generation: int) -> str | None:
         """Check a plane that has just landed in D's staging, every layer, before any of it is decoded: its
         checksums and (anchor) its metadata finite. The error naming the layer and plane, or None."""
         assert self.layout is not None
@@ -350,7 +347,7 @@ class LynxConnectorWorker:
             plane.plane(buf, layer % plane.num_layers)[byte % plane.plane_nbytes] ^= 1 << bit
         names = [n for n, _ in self.layers]
         try:
-            plane.verify_all(buf, spec.remote_req_id, names)
+            plane.verify_all(buf, staging_id(spec.transfer_id, generation), names)
             if stream == "anchor":
                 codec = self._codec(spec.mode)
                 for i, name in enumerate(names):
@@ -405,7 +402,7 @@ class LynxConnectorWorker:
             if ev.stream == "anchor":
                 rec.anchor_landed = True
                 self.stats.record_stream("anchor", ev.nbytes, now)
-                bad = self._verify(rec, "anchor")
+                bad = self._verify(rec, "anchor", ev.generation)
                 if bad is not None:
                     self._finish_recv(rec, error=bad)
                     continue
@@ -414,7 +411,7 @@ class LynxConnectorWorker:
             else:
                 rec.residual_landed = True
                 self.stats.record_stream("residual", ev.nbytes, now)
-                fault = self._faults.residual_error(ev.req_id) or self._verify(rec, "residual")
+                fault = self._faults.residual_error(ev.req_id) or self._verify(rec, "residual", ev.generation)
                 if fault is not None:
                     self._finish_recv(rec, error=fault)
                     continue

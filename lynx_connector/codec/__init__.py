@@ -12,6 +12,7 @@ from .integrity import (
     StagedLayout,
     checksum,
     staged_layout,
+    staging_id,
 )
 from .layout import KVLayout, TileAddr, cpu_attn_isa
 from .registry import CODEC_NAMES, LYNX_DEFAULTS, get_codec
@@ -39,4 +40,5 @@ __all__ = [
     "merge_residual",
     "plane_nbytes",
     "staged_layout",
+    "staging_id",
 ]

@@ -5,9 +5,10 @@ Staging holds a request's planes layer after layer, each followed by an 8-byte t
     anchor region   = [layer 0 anchor | cksum][layer 1 anchor | cksum] ...
     residual region = [layer 0 residual | cksum][layer 1 residual | cksum] ...   (absent when empty)
 
-The trailer is the little-endian xxh3_64 of that layer's plane bytes, seeded with (request id, layer index,
-plane): a flipped bit, a plane read from the wrong offset or layer, or a region holding another request's
-bytes (a lease reused under a pull) all fail the check. P seals each layer right after encoding it; D verifies
+The trailer is the little-endian xxh3_64 of that layer's plane bytes, seeded with (P's transfer id and the
+generation of its staging, layer index, plane; :func:`staging_id`): a flipped bit, a plane read from the wrong
+offset or layer, or a region holding another request's bytes or another tenancy's (a lease reused under a pull)
+all fail the check. P seals each layer right after encoding it; D verifies
 every layer of a plane right after the READ lands and before anything of it is decoded into its blocks.
 
 :func:`staged_layout` is the one place that knows these sizes and offsets: P's encode, D's pull and D's
@@ -31,7 +32,7 @@ from .layout import KVLayout
 TRAILER_NBYTES = 8
 PLANES = ("anchor", "residual")
 #: Names this staged format in the P/D compat fields (a P and a D that stage differently fail the handshake).
-INTEGRITY_FORMAT = f"xxh3_64/trailer{TRAILER_NBYTES}/v1"
+INTEGRITY_FORMAT = f"xxh3_64/trailer{TRAILER_NBYTES}/v2"  # v2: seeded with the transfer id and generation
 
 
 class IntegrityError(ValueError):
@@ -48,9 +49,15 @@ def _host_bytes(view: torch.Tensor) -> memoryview:
     return memoryview(view.contiguous().numpy())
 
 
-def checksum_seed(req_id: str, layer: int, plane: str) -> int:
-    """The xxh3 seed of one layer's plane of one request (P's request id: D's ``remote_req_id``)."""
-    return xxhash.xxh3_64_intdigest(f"lynx/{req_id}/{layer}/{plane}".encode())
+def staging_id(transfer_id: str, generation: int) -> str:
+    """What the checksums of one staging are seeded with: P's transfer id and the staging's generation (its
+    ``Regions.generation``), both known to P when it encodes and to D when the READ lands."""
+    return f"{transfer_id}/{generation}"
+
+
+def checksum_seed(staged_id: str, layer: int, plane: str) -> int:
+    """The xxh3 seed of one layer's plane of one staging (``staged_id``: :func:`staging_id`)."""
+    return xxhash.xxh3_64_intdigest(f"lynx/{staged_id}/{layer}/{plane}".encode())
 
 
 def checksum(view: torch.Tensor, seed: int = 0) -> int:
@@ -85,28 +92,28 @@ class PlaneLayout:
         o = layer * self.stride + self.plane_nbytes
         return buf[o:o + TRAILER_NBYTES]
 
-    def seal(self, buf: torch.Tensor, layer: int, req_id: str) -> None:
+    def seal(self, buf: torch.Tensor, layer: int, staged_id: str) -> None:
         """P: write layer ``layer``'s checksum into its trailer (right after encoding it)."""
         if not self.plane_nbytes:
             return
-        digest = checksum(self.plane(buf, layer), checksum_seed(req_id, layer, self.name))
+        digest = checksum(self.plane(buf, layer), checksum_seed(staged_id, layer, self.name))
         self.trailer(buf, layer).copy_(torch.frombuffer(bytearray(digest.to_bytes(8, "little")), dtype=torch.uint8))
 
-    def verify(self, buf: torch.Tensor, layer: int, req_id: str, layer_name: str = "") -> None:
+    def verify(self, buf: torch.Tensor, layer: int, staged_id: str, layer_name: str = "") -> None:
         """D: raise :class:`IntegrityError` naming the layer and plane when the plane does not match."""
         if not self.plane_nbytes:
             return
         stored = int.from_bytes(bytes(_host_bytes(self.trailer(buf, layer))), "little")
-        got = checksum(self.plane(buf, layer), checksum_seed(req_id, layer, self.name))
+        got = checksum(self.plane(buf, layer), checksum_seed(staged_id, layer, self.name))
         if got != stored:
             label = f"layer {layer}" + (f" ({layer_name})" if layer_name else "")
             raise IntegrityError(f"{label} {self.name} plane fails its checksum (stored {stored:#018x}, "
                                  f"computed {got:#018x}): corrupted in transit or not this request's bytes",
                                  layer, self.name)
 
-    def verify_all(self, buf: torch.Tensor, req_id: str, layer_names: list[str] | None = None) -> None:
+    def verify_all(self, buf: torch.Tensor, staged_id: str, layer_names: list[str] | None = None) -> None:
         for i in range(self.num_layers):
-            self.verify(buf, i, req_id, layer_names[i] if layer_names else "")
+            self.verify(buf, i, staged_id, layer_names[i] if layer_names else "")
 
 
 @dataclass(frozen=True)
@@ -133,5 +140,5 @@ def staged_layout(codec: Codec, layout: KVLayout, num_tokens: int, num_layers: i
     return StagedLayout(PlaneLayout("anchor", a, num_layers), PlaneLayout("residual", r, num_layers))
 
 
-__all__ = ["INTEGRITY_FORMAT", "IntegrityError", "PlaneLayout", "StagedLayout", "TRAILER_NBYTES", "checksum", "checksum_seed",
+__all__ = ["INTEGRITY_FORMAT", "IntegrityError", "PlaneLayout", "StagedLayout", "TRAILER_NBYTES", "checksum", "checksum_seed", "staging_id",
            "staged_layout"]

@@ -30,7 +30,11 @@ class TransportConfig:
     link_gbps: pace the pull to this many gigabits/s (token bucket on D), None = unpaced.
     chunk_bytes: a stream is posted in chunks of at most this size, so an anchor waits at most one chunk.
     window_bytes: bound on bytes posted but not completed (>= chunk_bytes).
-    lease_s: P frees a published request's staging if D has not said "done" within this (renewed on query).
+    lease_s: P frees a published request's staging if D has not said "done" within this (renewed by each query
+        and by D's KeepAlive, sent every quarter of P's lease for each request D pulls). With a link rate, a full
+        pool must drain within it: ``lease_s >= pool_bytes / link rate`` (checked here).
+    grace_s: a region freed because its lease ran out (D may still be reading it) is not reused for this long;
+        None = the time the whole pool takes at the link rate, at least ``timeout_s``.
     timeout_s: D fails a request whose peer is silent this long (handshake, query or a stalled chunk).
     host, port: side-channel bind address of a source (port 0 = random free port).
     pool_bytes: size of the staging pool registered with NIXL.
@@ -63,6 +67,7 @@ class TransportConfig:
     chunk_bytes: int = 1 << 20
     window_bytes: int = 4 << 20
     lease_s: float = 60.0
+    grace_s: float | None = None
     timeout_s: float = 10.0
     host: str = "127.0.0.1"
     port: int = 0
@@ -100,6 +105,14 @@ class TransportConfig:
             val = getattr(self, name)
             if not isinstance(val, (int, float)) or isinstance(val, bool) or not math.isfinite(val) or val < 0:
                 raise ValueError(f"TransportConfig.{name} must be a finite number >= 0, got {val!r}")
+        if self.grace_s is not None:
+            _positive_float("grace_s", self.grace_s)
+        drain_s = self.pool_drain_s
+        if drain_s is not None and self.lease_s < drain_s:
+            raise ValueError(
+                f"lease_s ({self.lease_s:g} s) is shorter than the {drain_s:.1f} s a full staging pool "
+                f"({self.pool_bytes >> 20} MiB, staging_mb) takes to drain at link_gbps={self.link_gbps:g}: P could free "
+                f"staging that D is still reading. Raise lease_s to at least {math.ceil(drain_s)} or lower staging_mb")
         tp = self.target_progress_s
         if not isinstance(tp, (int, float)) or isinstance(tp, bool) or not math.isfinite(tp) or tp < 0:
             raise ValueError(f"TransportConfig.target_progress_s must be >= 0, got {tp!r}")
@@ -122,6 +135,19 @@ class TransportConfig:
     def link_bytes_per_s(self) -> float | None:
         """The paced rate in bytes/s, or None when unpaced."""
         return None if self.link_gbps is None else self.link_gbps * 1e9 / 8.0
+
+    @property
+    def pool_drain_s(self) -> float | None:
+        """Seconds a full staging pool takes at the link rate (None when unpaced)."""
+        rate = self.link_bytes_per_s
+        return None if rate is None else self.pool_bytes / rate
+
+    @property
+    def lease_grace_s(self) -> float:
+        """How long a region freed by lease expiry stays unused (see ``grace_s``)."""
+        if self.grace_s is not None:
+            return self.grace_s
+        return max(self.timeout_s, self.pool_drain_s or 0.0)
 
     def nixl_backend_params(self) -> dict[str, str]:
         """Init params handed to `create_backend` (explicit `backend_params` win over `num_workers`)."""

@@ -17,7 +17,8 @@ class TransferEvent:
     """Terminal event of one stream of one pulled request (exactly one per pulled stream, unless aborted).
 
     `seconds` is measured from `pull()` to completion (or failure); `nbytes` is the bytes landed;
-    `data_seconds` from the stream's first chunk post to completion (None if nothing was posted).
+    `data_seconds` from the stream's first chunk post to completion (None if nothing was posted);
+    `generation` that of P's staging the stream was read from (0 when it failed before P named its regions).
     """
 
     req_id: str
@@ -27,3 +28,4 @@ class TransferEvent:
     nbytes: int
     seconds: float
     data_seconds: float | None = None
+    generation: int = 0

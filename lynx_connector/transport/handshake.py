@@ -210,4 +210,5 @@ class SideChannelServer:
 
     def _hello_ok(self, sess: Session) -> proto.HelloOk:
         return proto.HelloOk(v=proto.VERSION, agent_name=self.name, agent_md=self._md, pool_addr=self.pool.base_addr,
-                             pool_nbytes=self.pool.nbytes, compat_hash=self.compat_hash, session_id=sess.session_id)
+                             pool_nbytes=self.pool.nbytes, compat_hash=self.compat_hash, session_id=sess.session_id,
+                             lease_s=self.config.lease_s)

@@ -47,6 +47,8 @@ class PeerLink:
         self.agent = ""  # NIXL name of the peer's agent once added
         self.pool_addr = 0
         self.pool_nbytes = 0
+        self.lease_s = 0.0  # P's lease (HelloOk): D renews what it pulls every quarter of it
+        self.keepalive_at = 0.0  # when the next KeepAlive is due (0: none sent on this session yet)
         self.hello_at = 0.0  # when the (last) Hello was sent
         self.heard_at = 0.0  # when the peer last answered anything (0: never)
         self.opened_at = 0.0  # when the current connection was opened
@@ -199,6 +201,7 @@ class PullState:
     retry_at: float | None = None  # query again at (after a NotReady answer)
     sent_at: float | None = None  # a query is out and unanswered since
     backoff: float = 0.0
+    generation: int = 0  # of P's staging (Regions): seeds the checksums D verifies
     unknown_since: float | None = None  # P has answered "unknown request" since
     last_reply: str = "no answer"
     pending: set[str] = field(default_factory=set)

@@ -3,12 +3,19 @@
 Each request gets one contiguous anchor region and (for two-stream codecs) one contiguous residual region,
 so a request costs one descriptor per stream whatever its number of blocks and layers. A full pool raises
 `StagingFullError`; nothing is ever overwritten. Thread-safe.
+
+Every request's staging gets a new generation number (the pool's allocation counter): it names this tenancy of
+the regions (P sends it in ``Regions``; the checksums are seeded with it). A request freed with a quarantine
+(``free_request(req_id, quarantine_s=...)``: P's lease ran out, so a D may still be reading) keeps its regions
+out of the free list until the quarantine is over.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +38,7 @@ class StagedRequest:
     residual: torch.Tensor | None
     anchor_offset: int
     residual_offset: int
+    generation: int = 0  # this tenancy of the regions (unique per pool)
 
     @property
     def anchor_nbytes(self) -> int:
@@ -58,6 +66,8 @@ class StagingPool:
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # sorted (offset, size)
         self._used: dict[int, int] = {}  # offset -> size
         self._requests: dict[str, StagedRequest] = {}
+        self._generations = itertools.count(1)
+        self._quarantine: list[tuple[float, int]] = []  # (release at, offset): freed, not reusable yet
 
     @property
     def base_addr(self) -> int:
@@ -70,6 +80,7 @@ class StagingPool:
             raise ValueError(f"allocation size must be a positive int, got {nbytes!r}")
         size = _round_up(nbytes)
         with self._lock:
+            self._release_quarantine(time.monotonic())
             for i, (off, free) in enumerate(self._free):
                 if free >= size:
                     if free == size:
@@ -83,20 +94,39 @@ class StagingPool:
             f"(largest free region {self.largest_free})"
         )
 
-    def free(self, offset: int) -> None:
-        """Return a region; neighbours coalesce."""
+    def free(self, offset: int, quarantine_s: float = 0.0) -> None:
+        """Return a region (after ``quarantine_s`` seconds when > 0); neighbours coalesce."""
         with self._lock:
-            size = self._used.pop(offset, None)
-            if size is None:
+            if offset not in self._used or any(o == offset for _, o in self._quarantine):
                 raise KeyError(f"offset {offset} is not an allocated region")
-            i = bisect.bisect_left(self._free, (offset, 0))
-            self._free.insert(i, (offset, size))
-            if i + 1 < len(self._free) and offset + size == self._free[i + 1][0]:
-                self._free[i] = (offset, size + self._free[i + 1][1])
-                del self._free[i + 1]
-            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
-                self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
-                del self._free[i]
+            if quarantine_s > 0:
+                self._quarantine.append((time.monotonic() + quarantine_s, offset))
+                return
+            self._free_locked(offset)
+
+    def _release_quarantine(self, now: float) -> None:
+        """Regions whose quarantine is over go back to the free list (lock held)."""
+        if not self._quarantine:
+            return
+        keep = []
+        for release_at, offset in self._quarantine:
+            if release_at <= now:
+                self._free_locked(offset)
+            else:
+                keep.append((release_at, offset))
+        self._quarantine = keep
+
+    def _free_locked(self, offset: int) -> None:
+        """Put a used region back on the free list, coalescing with its neighbours (lock held)."""
+        size = self._used.pop(offset)
+        i = bisect.bisect_left(self._free, (offset, 0))
+        self._free.insert(i, (offset, size))
+        if i + 1 < len(self._free) and offset + size == self._free[i + 1][0]:
+            self._free[i] = (offset, size + self._free[i + 1][1])
+            del self._free[i + 1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
+            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
+            del self._free[i]
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.buffer[offset : offset + nbytes]
@@ -132,6 +162,7 @@ class StagingPool:
             self.view(r_off, residual_nbytes) if residual_nbytes else None,
             a_off,
             r_off,
+            next(self._generations),
         )
         with self._lock:
             self._requests[req_id] = staged
@@ -141,15 +172,15 @@ class StagingPool:
         with self._lock:
             return self._requests.get(req_id)
 
-    def free_request(self, req_id: str) -> bool:
-        """Free a request's regions; False if it had none."""
+    def free_request(self, req_id: str, quarantine_s: float = 0.0) -> bool:
+        """Free a request's regions (reusable only after ``quarantine_s`` when > 0); False if it had none."""
         with self._lock:
             staged = self._requests.pop(req_id, None)
         if staged is None:
             return False
-        self.free(staged.anchor_offset)
+        self.free(staged.anchor_offset, quarantine_s)
         if staged.residual is not None:
-            self.free(staged.residual_offset)
+            self.free(staged.residual_offset, quarantine_s)
         return True
 
     # ---- counters ----------------------------------------------------------------------------
@@ -169,8 +200,16 @@ class StagingPool:
             return len(self._requests)
 
     @property
+    def quarantined_bytes(self) -> int:
+        """Bytes freed with a quarantine that is not over yet (counted in `bytes_allocated` too)."""
+        with self._lock:
+            self._release_quarantine(time.monotonic())
+            return sum(self._used[o] for _, o in self._quarantine)
+
+    @property
     def free_bytes(self) -> int:
         with self._lock:
+            self._release_quarantine(time.monotonic())
             return sum(s for _, s in self._free)
 
     @property

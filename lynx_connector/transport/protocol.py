@@ -9,6 +9,7 @@ Nothing is ever unpickled. One message per zmq frame (DEALER sends [payload]; RO
   D -> P  Auth(proof_d, compat, resume)        (sealed)    P -> D  HelloOk(agent md, pool, session_id) (sealed)
   D -> P  Query(transfer_id, token)            (sealed)    P -> D  Regions | NotReady | Error      (sealed)
   D -> P  Done(transfer_id, token)             (sealed)    P -> D  Ack | Error                    (sealed)
+  D -> P  KeepAlive([(transfer_id, token)...]) (sealed)    P -> D  Alive(gone)                    (sealed)
 
 Hello, Challenge and any Error to a peer without a session are plain msgpack. Every other frame is *sealed*
 (`seal`/`Opener`): ``0xC1 | payload | seq (u64, big endian) | HMAC(S, direction | seq | payload)[:16]`` with
@@ -27,8 +28,8 @@ import msgspec
 
 __all__ = [
     "VERSION", "ProtocolError", "Hello", "Challenge", "Auth", "HelloOk", "Query", "Regions", "NotReady", "Done",
-    "Ack", "Error", "Message", "encode", "decode", "compat_hash", "compat_diff", "proof_p", "proof_d",
-    "session_key", "seal", "Opener", "SEALED", "P_TO_D", "D_TO_P", "HEX_ID_LEN", "is_hex_id",
+    "Ack", "Error", "KeepAlive", "Alive", "Message", "encode", "decode", "compat_hash", "compat_diff", "proof_p", "proof_d",
+    "session_key", "seal", "Opener", "SEALED", "MAX_KEEPALIVE", "P_TO_D", "D_TO_P", "HEX_ID_LEN", "is_hex_id",
 ]
 
 VERSION = 2
@@ -41,6 +42,7 @@ HexId = Annotated[str, msgspec.Meta(min_length=HEX_ID_LEN, max_length=HEX_ID_LEN
 Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 Mac32 = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 Ver = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+MAX_KEEPALIVE = 256  # tickets per KeepAlive frame (about 70 bytes each: far below the 64 KiB frame cap)
 CompatValue = str | int | float | bool | None
 Compat = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], CompatValue], msgspec.Meta(max_length=64)]
 
@@ -90,6 +92,8 @@ class HelloOk(_Msg, tag="hello_ok"):
     pool_nbytes: U64
     compat_hash: Annotated[str, msgspec.Meta(min_length=64, max_length=64)]
     session_id: Nonce
+    #: P's lease: D renews the requests it pulls (KeepAlive) every quarter of it.
+    lease_s: Annotated[float, msgspec.Meta(gt=0, le=1e6)]
 
 
 class Query(_Msg, tag="query"):
@@ -103,6 +107,9 @@ class Regions(_Msg, tag="regions"):
     anchor_nbytes: U64
     residual_offset: I64
     residual_nbytes: U64
+    #: This tenancy of the regions (P's pool allocation counter); it seeds every layer's checksum, so bytes of
+    #: any other tenancy of the same regions fail D's check.
+    generation: U64
 
 
 class NotReady(_Msg, tag="not_ready"):
@@ -112,6 +119,18 @@ class NotReady(_Msg, tag="not_ready"):
 class Done(_Msg, tag="done"):
     transfer_id: HexId
     token: HexId
+
+
+class KeepAlive(_Msg, tag="keep_alive"):
+    """Renews P's lease of each transfer D is pulling (queued or in flight)."""
+
+    tickets: Annotated[list[tuple[HexId, HexId]], msgspec.Meta(min_length=1, max_length=MAX_KEEPALIVE)]
+
+
+class Alive(_Msg, tag="alive"):
+    """P's answer to a KeepAlive: the transfer ids it no longer holds for this session (the rest are renewed)."""
+
+    gone: Annotated[list[HexId], msgspec.Meta(max_length=MAX_KEEPALIVE)]
 
 
 class Ack(_Msg, tag="ack"):
@@ -124,7 +143,7 @@ class Error(_Msg, tag="error"):
     transfer_id: Annotated[str, msgspec.Meta(max_length=HEX_ID_LEN)] = ""
 
 
-Message = Hello | Challenge | Auth | HelloOk | Query | Regions | NotReady | Done | Ack | Error
+Message = Hello | Challenge | Auth | HelloOk | Query | Regions | NotReady | Done | KeepAlive | Alive | Ack | Error
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -14,11 +14,15 @@ Side-channel messages can be lost (zmq drops them when a connection is reset or 
 waits on one reply: an unanswered Hello or Query is sent again after `resend_s`, NotReady answers are retried
 with exponential back-off (`retry_s` .. `retry_max_s`), and a peer silent for `reconnect_s` while pulls wait
 on it gets a fresh connection and handshake. A pull that reaches its own deadline fails alone: one silent or
-slow request never fails the other requests of the same peer.
+slow request never fails the other requests of the same peer. While a request's streams are queued or in
+flight, D renews P's lease of it (one KeepAlive per peer every quarter of P's lease); a request P answers as
+gone fails at once. Each event carries the generation of P's staging (from ``Regions``), which seeds the
+checksums the caller verifies.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
@@ -87,6 +91,8 @@ class TransferSink(ControlTimers):
         self._resent = 0  # Hello/Query messages sent again for want of an answer
         self._courier = DoneCourier(config.resend_s, config.lease_s)
         self._reconnects = 0
+        self._lease_lost = 0  # pulls P answered as gone (KeepAlive) while they were being read
+        self._keepalives = 0
         self._security = {"bad_mac": 0, "replayed": 0, "sessions_lost": 0, "handshakes": 0}
         self._max_in = max(config.max_message_bytes, proto.MAX_MD + 4096)  # a HelloOk carries P's NIXL metadata
         self._stop = False
@@ -152,6 +158,8 @@ class TransferSink(ControlTimers):
             "resent": self._resent,
             "dones_owed": len(self._courier),
             "reconnects": self._reconnects,
+            "lease_lost": self._lease_lost,
+            "keepalives": self._keepalives,
             **self._security,
             "chunks_posted": self._sched.stats.chunks_posted,
             "bytes_done": self._sched.stats.bytes_done,
@@ -346,6 +354,12 @@ class TransferSink(ControlTimers):
                     self._on_query_reply(pull, peer, msg)
         elif isinstance(msg, proto.Ack):
             self._courier.ack(peer.addr, msg.transfer_id)
+        elif isinstance(msg, proto.Alive):
+            gone = set(msg.gone)
+            for pull in [p for p in self._pulls_of(peer) if p.transfer_id in gone and p.state == "transferring"]:
+                self._lease_lost += 1
+                self._fail(pull, f"peer {peer.name} no longer holds transfer {pull.transfer_id[:8]}… of "
+                           f"{pull.req_id!r} while it is being pulled (its lease ran out or it was freed)")
         else:
             logger.warning("side channel from %s:%s: unexpected %s", *peer.addr, type(msg).__name__)
 
@@ -365,7 +379,7 @@ class TransferSink(ControlTimers):
                 self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]}: bad NIXL metadata: {exc}")
                 return
         peer.state, peer.pool_addr, peer.pool_nbytes = "ready", msg.pool_addr, msg.pool_nbytes
-        peer.session_id = msg.session_id
+        peer.session_id, peer.lease_s, peer.keepalive_at = msg.session_id, msg.lease_s, 0.0
         self._security["handshakes"] += 1
         logger.info("lynx sink: handshake with %s:%s done (agent %s%s)", *peer.addr, peer.agent,
                     ", reconnected" if peer.reconnects else "")
@@ -405,7 +419,7 @@ class TransferSink(ControlTimers):
             if n and not (0 <= off and off + n <= peer.pool_nbytes):
                 self._fail(pull, f"region [{off}, {off + n}) outside the peer's {peer.pool_nbytes}-byte pool")
                 return
-        pull.state = "transferring"
+        pull.state, pull.generation = "transferring", msg.generation
         self._sched.submit(StreamJob(pull.req_id, ANCHOR, peer.agent, pull.anchor[0],
                                      peer.pool_addr + msg.anchor_offset, pull.anchor[1], pull.t0))
         if pull.residual is not None:
@@ -432,7 +446,7 @@ class TransferSink(ControlTimers):
                     self._fail_peer(self._peers.get(pull.addr), err)
             if not pull.pending and self._pulls.get(ev.req_id) is pull:
                 self._finish(pull)
-            self._publish([ev])  # after the bookkeeping: a terminal event means the req_id is free again
+            self._publish([dataclasses.replace(ev, generation=pull.generation)])  # after the bookkeeping: a terminal event means the req_id is free again
 
     def _publish(self, events: list[TransferEvent]) -> None:
         with self._ev_lock:

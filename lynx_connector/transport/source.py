@@ -5,7 +5,10 @@ staging (protocol v2, docs/PROTOCOL.md sections 1 and 2).
 Lifecycle of a request's staging: (`expect`: D's queries get NotReady while P waits for room) -> `alloc` ->
 caller encodes into the views -> `publish` (queries answered from then on; before, D gets NotReady and
 retries) -> freed on D's Done (side channel, or a NIXL notification ``done:<transfer_id>:<token>``), on lease
-expiry (`lease_s` after publish, renewed by each query of its owner), or on `abort`. `reject(req_id, code,
+expiry (`lease_s` after publish, renewed by each query and KeepAlive of its owner: D renews every request it
+pulls, queued or in flight), or on `abort`. Regions freed by lease expiry are not reused for
+``config.lease_grace_s`` (a D may still be reading them); each staging has a generation (``Regions.generation``)
+that seeds its checksums, so bytes of another tenancy of the same regions fail D's check. `reject(req_id, code,
 message)` gives up on a request: D's next query gets that error at once (e.g. ``staging_full``).
 
 Every request has a transfer id and a token (16 random bytes each, hex: minted here, or by the caller and
@@ -90,7 +93,8 @@ class TransferSource(SideChannelServer):
         self._log = RateLimitedLog()
         self.counters = {"served_queries": 0, "malformed": 0, "freed_done": 0, "freed_lease": 0, "freed_abort": 0,
                          "rejected": 0, "replies_dropped": 0, "auth_failed": 0, "refused": 0, "bad_mac": 0,
-                         "replayed": 0, "unknown_request": 0, "bad_notif": 0, "sessions": 0}
+                         "replayed": 0, "unknown_request": 0, "bad_notif": 0, "sessions": 0, "renewed": 0,
+                         "keepalive_gone": 0}
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -226,7 +230,9 @@ class TransferSource(SideChannelServer):
         with self._lock:
             live = len(self._entries)
         return {
+            "pool_bytes": self.pool.nbytes,
             "bytes_allocated": self.pool.bytes_allocated,
+            "bytes_quarantined": self.pool.quarantined_bytes,
             "regions_live": self.pool.regions_live,
             "requests_live": live,
             "cpu_s": self.cpu_s,
@@ -255,8 +261,8 @@ class TransferSource(SideChannelServer):
             self._by_tid.pop(entry.transfer_id, None)
             self._freed.append(req_id)
             self.counters[f"freed_{why}"] += 1
-        if entry.staged is not None:
-            self.pool.free_request(req_id)
+        if entry.staged is not None:  # after a lease ran out, a D may still be reading: not reused for a while
+            self.pool.free_request(req_id, self.config.lease_grace_s if why == "lease" else 0.0)
         logger.debug("freed staging of %s (%s)", req_id, why)
         return True
 
@@ -383,6 +389,7 @@ class TransferSource(SideChannelServer):
                 anchor_nbytes=s.anchor_nbytes,
                 residual_offset=s.residual_offset,
                 residual_nbytes=s.residual_nbytes,
+                generation=s.generation,
             )
         if isinstance(msg, proto.Done):
             with self._lock:
@@ -399,4 +406,21 @@ class TransferSource(SideChannelServer):
                 return self._unknown(msg.transfer_id)
             self._free(req_id, "done")
             return proto.Ack(v=v, transfer_id=msg.transfer_id)
+        if isinstance(msg, proto.KeepAlive):
+            return self._keep_alive(sess, msg)
         return proto.Error(v=v, code="unexpected", message=f"P does not accept {type(msg).__name__}")
+
+    def _keep_alive(self, sess: Session, msg: proto.KeepAlive) -> proto.Alive:
+        """Renew the lease of each named transfer this session may pull; the others are answered as gone."""
+        gone = []
+        with self._lock:
+            deadline = time.monotonic() + self.config.lease_s
+            for tid, token in msg.tickets:
+                entry = self._lookup(tid, token)
+                if entry is None or (entry.owner is not None and entry.owner != sess.owner):
+                    gone.append(tid)
+                elif entry.published:
+                    entry.deadline = deadline
+            self.counters["renewed"] += len(msg.tickets) - len(gone)
+            self.counters["keepalive_gone"] += len(gone)
+        return proto.Alive(v=proto.VERSION, gone=gone)

@@ -1,6 +1,7 @@
 """The clocks of D's control path (a part of `TransferSink`): each pull's own deadline, NotReady retries with
-back-off, messages re-sent for want of an answer, Dones owed until P acknowledges them, and reconnects of a
-peer that left a message unanswered for ``reconnect_s``. One silent request fails alone; a peer is dropped only
+back-off, messages re-sent for want of an answer, Dones owed until P acknowledges them, KeepAlives that renew
+P's lease of every request being pulled, and reconnects of a peer that left a message unanswered for
+``reconnect_s``. One silent request fails alone; a peer is dropped only
 when it never answered and serves no other pull.
 """
 
@@ -67,6 +68,9 @@ class ControlTimers:
         if nxt is not None:
             timers.append(nxt)
         for peer in list(self._peers.values()):
+            nxt = self._keep_alive(peer, now)
+            if nxt is not None:
+                timers.append(nxt)
             waiting = [p for p in self._pulls_of(peer) if p.state != "transferring"]
             if not waiting and not self._courier.owed_to(peer.addr):
                 continue
@@ -84,6 +88,23 @@ class ControlTimers:
             if peer.state in ("hello", "auth"):
                 timers.append(peer.hello_at + cfg.resend_s)
         return None if not timers else max(0.0, min(timers) - now)
+
+    def _keep_alive(self, peer: PeerLink, now: float) -> float | None:
+        """Renew P's lease of the requests being read from ``peer`` every quarter of it (their Query renewed it
+        when the transfer started); returns when the next KeepAlive is due, None when none is."""
+        pulling = [p for p in self._pulls_of(peer) if p.state == "transferring"]
+        if not pulling or peer.state != "ready" or peer.lease_s <= 0:
+            peer.keepalive_at = 0.0
+            return None
+        if peer.keepalive_at == 0.0:
+            peer.keepalive_at = now + peer.lease_s / 4
+        elif now >= peer.keepalive_at:
+            tickets = [(p.transfer_id, p.token) for p in pulling]
+            for i in range(0, len(tickets), proto.MAX_KEEPALIVE):
+                peer.send(proto.KeepAlive(v=proto.VERSION, tickets=tickets[i:i + proto.MAX_KEEPALIVE]))
+            self._keepalives += 1
+            peer.keepalive_at = now + peer.lease_s / 4
+        return peer.keepalive_at
 
     def _expire(self, pull: PullState) -> None:
         """A pull's own deadline passed before its transfer started: fail it (only it). A peer that never

@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from lynx_connector import worker as worker_mod
-from lynx_connector.codec import decode_anchor, encode, get_codec, merge_residual, staged_layout
+from lynx_connector.codec import (
+    IntegrityError,
+    decode_anchor,
+    encode,
+    get_codec,
+    merge_residual,
+    staged_layout,
+    staging_id,
+)
 from lynx_connector.config import LynxConfig
 from lynx_connector.metadata import LynxConnectorMetadata, RecvSpec, SaveSpec, mint_ticket
 from lynx_connector.modes import get_mode
@@ -333,14 +341,17 @@ def test_staging_holds_a_checksum_trailer_per_layer_per_plane(pair):
     codec = get_codec("lynx")
     a, r = codec.plane_nbytes(N, H, D, torch.float32)
     assert p._plane_nbytes("full", N).nbytes == (LAYERS * (a + 8), LAYERS * (r + 8))
-    assert d._pull_nbytes(recv_spec(p, "full")) == (LAYERS * (a + 8), LAYERS * (r + 8))
-    assert d._pull_nbytes(recv_spec(p, "anchor")) == (LAYERS * (a + 8), 0)  # the residual is never pulled
+    assert d._pull_layout(recv_spec(p, "full")).nbytes == (LAYERS * (a + 8), LAYERS * (r + 8))
+    assert d._pull_layout(recv_spec(p, "anchor")).nbytes == (LAYERS * (a + 8), 0)  # the residual is never pulled
     publish(p, "full")
     staged = p.source.pool.get_request("p1")
     sl = p._plane_nbytes("full", N)
+    sid = staging_id(p.source.ticket("p1")[0], staged.generation)  # seeded with the transfer id and generation
     for i in range(LAYERS):
-        sl.anchor.verify(staged.anchor, i, "p1")
-        sl.residual.verify(staged.residual, i, "p1")
+        sl.anchor.verify(staged.anchor, i, sid)
+        sl.residual.verify(staged.residual, i, sid)
+    with pytest.raises(IntegrityError):  # the same bytes under another tenancy of the regions
+        sl.anchor.verify(staged.anchor, 0, staging_id(p.source.ticket("p1")[0], staged.generation + 1))
 
 
 @pytest.mark.parametrize("mode", ["speculative", "anchor", "full", "int8", "fp8"])
@@ -436,7 +447,7 @@ def test_a_peer_without_the_same_integrity_format_fails_the_handshake(pair, capl
     handshake; D hears only that P refused it (protocol v2 reveals nothing), P's log names the field."""
     make, _ = pair
     (p, _), (d, _) = make("kv_producer"), make("kv_consumer")
-    assert p.source.compat["integrity"] == d.sink.compat["integrity"] == "xxh3_64/trailer8/v1"
+    assert p.source.compat["integrity"] == d.sink.compat["integrity"] == "xxh3_64/trailer8/v2"
     p.source.compat["integrity"] = "none"
     errors = load_errors(d)
     publish(p, "full")

@@ -20,11 +20,14 @@ def test_roundtrip_every_message() -> None:
         proto.Auth(v=2, proof_d=b"y" * 32, compat={"model": "m", "layers": 30, "codec_version": 1.5, "fp": True,
                                                    "x": None}, resume=b"s" * 16),
         proto.HelloOk(v=2, agent_name="a", agent_md=b"\x00md", pool_addr=1, pool_nbytes=2, compat_hash="0" * 64,
-                      session_id=b"s" * 16),
+                      session_id=b"s" * 16, lease_s=60.0),
         proto.Query(v=2, transfer_id=TID, token=TOK),
-        proto.Regions(v=2, transfer_id=TID, anchor_offset=0, anchor_nbytes=4, residual_offset=-1, residual_nbytes=0),
+        proto.Regions(v=2, transfer_id=TID, anchor_offset=0, anchor_nbytes=4, residual_offset=-1, residual_nbytes=0,
+                      generation=7),
         proto.NotReady(v=2, transfer_id=TID),
         proto.Done(v=2, transfer_id=TID, token=TOK),
+        proto.KeepAlive(v=2, tickets=[(TID, TOK)]),
+        proto.Alive(v=2, gone=[TID]),
         proto.Ack(v=2, transfer_id=TID),
         proto.Error(v=2, code="c", message="m"),
     ]
@@ -52,7 +55,7 @@ def test_decode_rejects(frame: bytes, needle: str) -> None:
 
 def test_decode_range_checks() -> None:
     bad = proto.encode(proto.Regions(v=2, transfer_id=TID, anchor_offset=0, anchor_nbytes=4,
-                                     residual_offset=-1, residual_nbytes=0)).replace(b"\xff", b"\xfe")
+                                     residual_offset=-1, residual_nbytes=0, generation=1)).replace(b"\xff", b"\xfe")
     with pytest.raises(proto.ProtocolError):  # residual_offset -2 is out of range
         proto.decode(bad, 1000)
     for tid in ("A" * 32, "a" * 31, "g" * 32, "a" * 33):  # transfer ids and tokens: 32 lower-case hex

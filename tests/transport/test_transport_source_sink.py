@@ -140,7 +140,7 @@ def test_malformed_messages_rejected_listener_keeps_serving(pair) -> None:
         for junk in [b"\xc1", b"not msgpack at all", b"x" * (3 << 15),
                      proto.encode(proto.Query(v=2, transfer_id="a" * 32, token="b" * 32)),
                      proto.encode(proto.Regions(v=2, transfer_id="a" * 32, anchor_offset=0, anchor_nbytes=1,
-                                                residual_offset=-1, residual_nbytes=0))]:
+                                                residual_offset=-1, residual_nbytes=0, generation=1))]:
             raw.send(junk)
             reply = proto.decode(raw.recv(), 1 << 20)
             assert isinstance(reply, proto.Error) and (reply.code, reply.message) == ("refused", "refused")
@@ -159,17 +159,31 @@ def test_malformed_messages_rejected_listener_keeps_serving(pair) -> None:
 
 
 def test_lease_expiry_abort_and_pool_full(fabric: FakeFabric) -> None:
-    cfg = TransportConfig(pool_bytes=1 << 16, lease_s=0.3, key=TEST_KEY)
+    """A lease that runs out frees the request, but its regions stay out of use for the grace period (a D may
+    still be reading them): nothing allocated meanwhile lands on them."""
+    cfg = TransportConfig(pool_bytes=1 << 16, lease_s=0.3, grace_s=1.0, key=TEST_KEY)
     src = TransferSource(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
     try:
-        stage(src, "leased", 1000, 1000)
+        leased = stage(src, "leased", 1000, 1000)
         stage(src, "kept", 1000, 0, publish=False)  # unpublished: no lease running
         with pytest.raises(StagingFullError):
             src.alloc("big", 1 << 16, 0)
         wait_for(lambda: src.stats()["requests_live"] == 1, timeout=3.0)
+        t_freed = time.monotonic()
         assert src.poll() == ["leased"] and src.stats()["freed_lease"] == 1
+        assert src.stats()["bytes_quarantined"] == 2048 and src.stats()["regions_live"] == 3
+        held = [src.alloc(f"n{i}", 1000, 0) for i in range(61)]  # every free region, none of the quarantined
+        assert {h.anchor_offset for h in held}.isdisjoint({leased.anchor_offset, leased.residual_offset})
+        with pytest.raises(StagingFullError):
+            src.alloc("n-more", 1000, 0)
+        wait_for(lambda: src.stats()["bytes_quarantined"] == 0, timeout=3.0)
+        assert time.monotonic() - t_freed >= 0.9
+        assert src.alloc("after-grace", 1000, 0).anchor_offset in (leased.anchor_offset, leased.residual_offset)
         assert src.abort("kept") and not src.abort("kept")
-        assert src.stats()["regions_live"] == 0 and src.poll() == ["kept"]
+        for i in range(61):
+            src.abort(f"n{i}")
+        src.abort("after-grace")
+        assert src.stats()["regions_live"] == 0 and "kept" in src.poll()
     finally:
         src.close()
 
