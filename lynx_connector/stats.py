@@ -1,9 +1,14 @@
 """Connector statistics through vLLM's pipeline: the periodic "KV Transfer metrics" log line (``reduce``) and
 Prometheus metrics (``LynxPromMetrics``). The payload is a plain dict of lists so it serializes between the
-worker and the logger process and aggregates across tensor-parallel workers by concatenation."""
+worker and the logger process and aggregates across tensor-parallel workers by concatenation.
+
+Besides what the worker records per request, `TransportExporter` adds, about once a second, the transport's
+own state: staging occupancy per side and worker (gauges) and the side channel's security and recovery events
+(malformed frames, failed handshakes, leases that ran out, ...) as counter increments."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
@@ -12,12 +17,27 @@ _LIST_KEYS = ("anchor_bytes", "anchor_s", "residual_bytes", "residual_s", "reque
               "encode_anchor_bytes", "encode_residual_bytes", "encode_s",
               "spec_drafted", "spec_accepted", "spec_early", "spec_stop_low_margin",
               "spec_stop_first_token_mismatch")
-_COUNT_KEYS = ("failed_load", "failed_stage", "failed_nonfinite", "failed_encode")
+#: Why a request's transfer failed (the ``reason`` label of ``vllm:lynx_failed_transfers``): D could not load it
+#: (peer, transfer or deadline), D's integrity check refused it, no staging in time on P or D, too large for
+#: P's pool, P's KV not finite, P could not encode it.
+FAILURE_REASONS = ("load", "integrity", "stage", "too_large", "nonfinite", "encode")
+_COUNT_KEYS = tuple(f"failed_{r}" for r in FAILURE_REASONS)
+#: Transport counters exported as ``vllm:lynx_side_channel_events{side, event}``: P's (source) and D's (sink)
+#: names as in their ``stats()``.
+SIDE_CHANNEL_EVENTS = {
+    "p": ("malformed", "auth_failed", "refused", "bad_mac", "replayed", "unknown_request", "bad_notif",
+          "replies_dropped", "freed_lease", "keepalive_gone", "logs_suppressed"),
+    "d": ("bad_mac", "replayed", "sessions_lost", "reconnects", "resent", "lease_lost"),
+}
+#: Staging gauges per side and worker: ``vllm:lynx_staging_bytes{side, rank, state}``.
+STAGING_STATES = ("capacity", "used", "quarantined")
 
 
 def _empty() -> dict[str, Any]:
     data: dict[str, Any] = {k: [] for k in _LIST_KEYS}
     data.update({k: 0 for k in _COUNT_KEYS})
+    data["events"] = []  # [side, event, increment]
+    data["gauges"] = []  # [side, rank, state, bytes]
     return data
 
 
@@ -40,8 +60,9 @@ class LynxStats(KVConnectorStats):
         self.data["encode_residual_bytes"].append(int(residual_bytes))
         self.data["encode_s"].append(float(seconds))
 
-    def record_failure(self, kind: str) -> None:
-        self.data[f"failed_{kind}"] += 1
+    def record_failure(self, reason: str) -> None:
+        """One failed request, by a reason of `FAILURE_REASONS`."""
+        self.data[f"failed_{reason}"] += 1
 
     def record_speculation(self, drafted: int, accepted: int, early: int = 0, stopped: str | None = None) -> None:
         """One speculative request: tokens decoded on the anchor and held, how many verification accepted,
@@ -63,10 +84,11 @@ class LynxStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data[k] for k in _LIST_KEYS) and not any(self.data[k] for k in _COUNT_KEYS)
+        return not any(self.data[k] for k in (*_LIST_KEYS, "events", "gauges")) and not any(
+            self.data[k] for k in _COUNT_KEYS)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for k in _LIST_KEYS:
+        for k in (*_LIST_KEYS, "events", "gauges"):
             self.data[k].extend(other.data.get(k, []))
         for k in _COUNT_KEYS:
             self.data[k] += int(other.data.get(k, 0))
@@ -91,6 +113,9 @@ class LynxStats(KVConnectorStats):
             "Avg encode (ms)": avg_ms("encode_s"),
             "Num failed": sum(d[k] for k in _COUNT_KEYS),
         }
+        for side, event, n in d["events"]:
+            key = f"Side channel {side.upper()} {event}"
+            out[key] = out.get(key, 0) + int(n)
         if d["spec_drafted"]:
             drafted, accepted = sum(d["spec_drafted"]), sum(d["spec_accepted"])
             out["First tokens released on the anchor"] = sum(d["spec_early"])
@@ -117,8 +142,20 @@ class LynxPromMetrics(KVConnectorPromMetrics):
                                             documentation="Time from pull start to the stream landing on D.",
                                             buckets=buckets, labelnames=stream_labels)
         self._failed = self._counter_cls(name="vllm:lynx_failed_transfers",
-                                         documentation="KV pulls or stagings that failed.",
-                                         labelnames=labelnames)
+                                         documentation="KV pulls or stagings that failed, by reason: "
+                                                       + ", ".join(FAILURE_REASONS) + ".",
+                                         labelnames=labelnames + ["reason"])
+        self._events = self._counter_cls(name="vllm:lynx_side_channel_events",
+                                         documentation="Side-channel security and recovery events per side "
+                                                       "(p: malformed frames, failed handshakes, leases that ran "
+                                                       "out, ...; d: bad MACs, reconnects, leases lost, ...).",
+                                         labelnames=labelnames + ["side", "event"])
+        self._staging = self._gauge_cls(name="vllm:lynx_staging_bytes",
+                                        documentation="Staging pool bytes per side and worker rank: capacity, used "
+                                                      "(including quarantined) and quarantined (freed by a lease "
+                                                      "that ran out, not reusable yet).",
+                                        multiprocess_mode="mostrecent",
+                                        labelnames=labelnames + ["side", "rank", "state"])
         self._spec = self._counter_cls(name="vllm:lynx_speculative_tokens",
                                        documentation="Tokens decoded on the anchor (drafted), accepted and "
                                                      "rejected by verification; first tokens released on "
@@ -138,9 +175,14 @@ class LynxPromMetrics(KVConnectorPromMetrics):
                 self._bytes.labels(*labels, stream).inc(sum(nbytes))
             for s in transfer_stats_data.get(f"{stream}_s", []):
                 self._latency.labels(*labels, stream).observe(s)
-        failed = sum(int(transfer_stats_data.get(k, 0)) for k in _COUNT_KEYS)
-        if failed:
-            self._failed.labels(*labels).inc(failed)
+        for reason in FAILURE_REASONS:
+            n = int(transfer_stats_data.get(f"failed_{reason}", 0))
+            if n:
+                self._failed.labels(*labels, reason).inc(n)
+        for side, event, n in transfer_stats_data.get("events", []):
+            self._events.labels(*labels, side, event).inc(n)
+        for side, rank, state, value in transfer_stats_data.get("gauges", []):
+            self._staging.labels(*labels, side, str(rank), state).set(value)
         drafted = sum(transfer_stats_data.get("spec_drafted", []))
         if drafted:
             self._spec.labels(*labels, "drafted").inc(drafted)
@@ -154,3 +196,36 @@ class LynxPromMetrics(KVConnectorPromMetrics):
             n = sum(transfer_stats_data.get(f"spec_stop_{reason}", []))
             if n:
                 self._stopped.labels(*labels, reason).inc(n)
+
+
+class TransportExporter:
+    """Copies a worker's transport state into its `LynxStats` about once a second: staging gauges and the
+    increments of the side-channel counters since the last export (only what changed is sent)."""
+
+    def __init__(self, rank: int = 0, interval_s: float = 1.0) -> None:
+        self.rank, self._interval = rank, interval_s  # the worker's tensor-parallel rank
+        self._next = 0.0
+        self._last_counts: dict[tuple[str, str], int] = {}
+        self._last_gauges: dict[tuple[str, str], int] = {}
+
+    def maybe_export(self, stats: LynxStats, endpoints: dict[str, Any]) -> None:
+        """``endpoints``: {"p": TransferSource or None, "d": TransferSink or None}."""
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self._interval
+        for side, end in endpoints.items():
+            if end is None:
+                continue
+            st = end.stats()
+            for event in SIDE_CHANNEL_EVENTS[side]:
+                n, last = int(st.get(event, 0)), self._last_counts.get((side, event), 0)
+                if n > last:
+                    stats.data["events"].append([side, event, n - last])
+                self._last_counts[side, event] = n
+            pool = end.pool
+            for state, value in zip(STAGING_STATES, (pool.nbytes, pool.bytes_allocated, pool.quarantined_bytes),
+                                    strict=True):
+                if self._last_gauges.get((side, state)) != value:
+                    stats.data["gauges"].append([side, self.rank, state, value])
+                    self._last_gauges[side, state] = value

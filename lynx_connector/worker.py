@@ -55,7 +55,7 @@ from lynx_connector.metadata import (
 )
 from lynx_connector.modes import LYNX_CODEC, get_mode
 from lynx_connector.saving import SaveQueue
-from lynx_connector.stats import LynxStats
+from lynx_connector.stats import LynxStats, TransportExporter
 from lynx_connector.testing import fault_hooks
 from lynx_connector.transport import (
     StagingFullError,
@@ -99,6 +99,7 @@ class LynxConnectorWorker:
         self.saves: SaveQueue | None = None
         self.sink: TransferSink | None = None
         self.stats = LynxStats()
+        self._exporter = TransportExporter()
         self._recvs: dict[str, _Recv] = {}
         self._finished_recving: set[str] = set()
         # D: pulls waiting for room in D's staging pool, in arrival order: req_id -> (spec, hooks, deadline)
@@ -119,6 +120,7 @@ class LynxConnectorWorker:
             self.tp_rank = get_tensor_model_parallel_rank()
         except Exception:  # not initialised in some unit-test set-ups
             self.tp_rank = 0
+        self._exporter.rank = self.tp_rank
         self.layers = list(kv_caches.items())
         if not self.layers:
             raise ValueError("LynxConnector: register_kv_caches got no KV cache tensors")
@@ -214,7 +216,7 @@ class LynxConnectorWorker:
                    f"(staging_mb={self.source.pool.nbytes >> 20})")
             logger.error("LynxConnector: request %s not sent: %s", spec.req_id, msg)
             self.source.reject(spec.req_id, "too_large", msg)
-            self.stats.record_failure("stage")
+            self.stats.record_failure("too_large")
             return
         staged = self.source.alloc(spec.req_id, a, r, transfer_id=spec.transfer_id or None,
                                    token=spec.token or None)
@@ -380,6 +382,7 @@ class LynxConnectorWorker:
     def poll(self) -> None:
         """Apply landed streams to the KV cache; called once per step (also on steps with no forward)."""
         self._step += 1
+        self._exporter.maybe_export(self.stats, {"p": self.source, "d": self.sink})  # gauges, side-channel events
         if self.source is not None:
             self.source.poll()
             if self.saves is not None and self.saves.waiting:
@@ -453,7 +456,7 @@ class LynxConnectorWorker:
         if error is not None:
             if outcome == "failed":
                 logger.error("LynxConnector: KV load for request %s failed: %s", req_id, error)
-                self.stats.record_failure("load")
+                self.stats.record_failure("integrity" if error.startswith("integrity check failed") else "load")
             else:
                 logger.info("LynxConnector: KV load for request %s stopped: %s", req_id, error)
             self.sink.abort(req_id)

@@ -34,7 +34,7 @@ def test_config_table_covers_every_key_with_a_meaning() -> None:
 
 def test_prometheus_metrics_match_stats_py() -> None:
     exported = set()
-    for kind, name in re.findall(r"_(counter|histogram)_cls\(name=\"(vllm:[a-z_]+)\"", STATS):
+    for kind, name in re.findall(r"_(counter|histogram|gauge)_cls\(name=\"(vllm:[a-z_]+)\"", STATS):
         exported.add(name + "_total" if kind == "counter" else name)
     assert exported, "no metric found in stats.py"
     documented = set(re.findall(r"^\| `(vllm:[a-z_]+)` \|", DOC, re.M))

@@ -71,6 +71,11 @@ def test_metrics_are_exported(deployment, needle):
         metrics = resp.read().decode()
     assert re.search(r'vllm:lynx_transfer_bytes_total\{[^}]*stream="anchor"[^}]*\} [1-9]', metrics), metrics[-2000:]
     assert re.search(r'vllm:lynx_transfer_bytes_total\{[^}]*stream="residual"[^}]*\} [1-9]', metrics)
+    # staging occupancy of each side, per worker (exported about once a second)
+    assert re.search(r'vllm:lynx_staging_bytes\{[^}]*side="d"[^}]*state="capacity"[^}]*\} [1-9]', metrics), metrics[-3000:]
+    with urllib.request.urlopen(deployment.prefill.url + "/metrics", timeout=10) as resp:
+        p_metrics = resp.read().decode()
+    assert re.search(r'vllm:lynx_staging_bytes\{[^}]*side="p"[^}]*state="capacity"[^}]*\} [1-9]', p_metrics)
     deadline = time.monotonic() + 60  # the "KV Transfer metrics" line is logged every ~10 s
     while time.monotonic() < deadline:
         d_log = deployment.decode.log_path.read_text()
