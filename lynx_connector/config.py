@@ -80,7 +80,9 @@ class LynxConfig:
     #: P's side channel (zmq). Port 0 picks a free port and tells D through kv_transfer_params.
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
-    #: P frees a request's staging if D has not read it within this many seconds.
+    #: P frees a request's staging when D has neither finished nor renewed it for this many seconds (D renews
+    #: every request it pulls, queued or in flight, every quarter of P's lease). With ``link_gbps``, a full pool
+    #: must drain within it (staging_mb at that rate): a shorter lease is a start-up error.
     lease_s: float = 120.0
     #: D gives up on a silent or vanished P after this many seconds (then kv_load_failure_policy applies).
     timeout_s: float = 30.0
