@@ -3,7 +3,8 @@
 Every case is bounded (pytest-timeout, and each wait has its own deadline), restores the link in a finally, and
 ends by asserting both sides idle: D has no pull in flight and (once the caller frees its views, as the connector
 does on a failed load) no pool region; P has no staged request and no region. D's `timeout_s` = 2 s, P's
-`lease_s` = 4 s. The expected outcome of each case is in its docstring; "the failure policy applies" at this level
+`lease_s` = 4 s (D renews it every second while it pulls) and `grace_s` = 1 s (regions freed by lease stay
+unused that long). The expected outcome of each case is in its docstring; "the failure policy applies" at this level
 means: D gets exactly one failed terminal event per unfinished stream (the connector maps it to
 `kv_load_failure_policy`), and nothing hangs.
 """
@@ -32,12 +33,12 @@ pytestmark = [
     pytest.mark.timeout(180),
 ]
 
-TIMEOUT_S, LEASE_S, SLACK_S = 2.0, 4.0, 2.0
+TIMEOUT_S, LEASE_S, GRACE_S, SLACK_S = 2.0, 4.0, 1.0, 2.0
 RATE_MBIT = 200.0  # 25 MB/s: a 16 MiB stream takes ~0.67 s, long enough to cut it half-way
 
 
 def src_cfg(pair: NetPair) -> TransportConfig:
-    return TransportConfig(pool_bytes=96 * MB, lease_s=LEASE_S, host=pair.link.addr_a)
+    return TransportConfig(pool_bytes=96 * MB, lease_s=LEASE_S, grace_s=GRACE_S, host=pair.link.addr_a)
 
 
 def sink_cfg() -> TransportConfig:
@@ -137,7 +138,7 @@ def test_link_cut_during_anchor(fresh: NetPair, how: str) -> None:
     assert all(e[4] for e in evs)
     assert evs[-1][0] - t_cut <= TIMEOUT_S + SLACK_S, evs[-1][0] - t_cut
     sink_idle(p, [req])
-    p.wait_source_idle(LEASE_S + SLACK_S + max(0.0, t_cut - time.monotonic()))
+    p.wait_source_idle(LEASE_S + GRACE_S + SLACK_S + max(0.0, t_cut - time.monotonic()))
     restore(p)
     recovers(p, f"{req}-after")
 
@@ -160,7 +161,7 @@ def test_link_cut_during_residual(fresh: NetPair, how: str) -> None:
     assert [(e[2], e[3]) for e in evs] == [("residual", False)], evs
     assert evs[0][0] - t_cut <= TIMEOUT_S + SLACK_S
     sink_idle(p, [req])
-    p.wait_source_idle(LEASE_S + SLACK_S)
+    p.wait_source_idle(LEASE_S + GRACE_S + SLACK_S)
     restore(p)
     recovers(p, f"{req}-after")
 
@@ -197,12 +198,31 @@ def test_decode_killed_during_residual(fresh: NetPair) -> None:
     os.kill(p.sink_proc.pid, signal.SIGKILL)
     t_kill = time.monotonic()
     p.sink_proc.join(10)
-    st = p.wait_source_idle(LEASE_S + SLACK_S)
-    assert time.monotonic() - t_kill <= LEASE_S + SLACK_S + 1
+    st = p.wait_source_idle(LEASE_S + GRACE_S + SLACK_S)
+    assert time.monotonic() - t_kill <= LEASE_S + GRACE_S + SLACK_S + 1
     assert st["freed_lease"] == before + 1, st
     p.procs.remove(p.sink_proc)
     p.start_sink(sink_cfg())
     recovers(p, "dk-after")
+
+
+def test_a_pull_that_outlasts_the_lease_is_kept_alive(fresh: NetPair) -> None:
+    """A 24 MiB residual over 25 Mbit/s takes about 8 s, twice P's lease (issue 14.3: before KeepAlive, P freed
+    and reused the regions under the READ). Expected: D's KeepAlives renew the lease; both streams ok and
+    byte-exact; P frees on D's done, not by lease; both sides idle."""
+    p = fresh
+    before = p.src("stats")
+    p.topo.shape(p.p_ns, p.p_dev, 25.0)
+    sums = p.src("stage", [("ka", 1 * MB, 24 * MB, 7)], True)
+    p.pull(("ka", 1 * MB, 24 * MB))
+    evs = p.events(2, 40)
+    assert [(e[2], e[3]) for e in evs] == [("anchor", True), ("residual", True)], evs
+    assert evs[1][6] > 1.5 * LEASE_S, evs[1][6]  # the pull really outlasted the lease
+    assert p.sink("crc", "ka") == tuple(sums["ka"])
+    sink_idle(p, ["ka"])
+    st = p.wait_source_idle(5)
+    assert st["freed_lease"] == before["freed_lease"] and st["freed_done"] == before["freed_done"] + 1, st
+    assert st["renewed"] >= before["renewed"] + 4, st
 
 
 def test_packet_loss_is_survived(fresh: NetPair) -> None:
