@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
+DEFAULT_LEASE_S = 120.0
+
+
 class LynxConfigError(ValueError):
     """A configuration value is invalid; the message names the key and what is accepted."""
 
@@ -81,9 +84,10 @@ class LynxConfig:
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
     #: P frees a request's staging when D has neither finished nor renewed it for this many seconds (D renews
-    #: every request it pulls, queued or in flight, every quarter of P's lease). With ``link_gbps``, a full pool
-    #: must drain within it (staging_mb at that rate): a shorter lease is a start-up error.
-    lease_s: float = 120.0
+    #: every request it pulls, queued or in flight, every quarter of P's lease). null: 120, or 1.25x the time a
+    #: full pool takes to drain at ``link_gbps`` when that is longer. A lease set shorter than that drain time
+    #: (staging_mb at link_gbps) is a start-up error.
+    lease_s: float | None = None
     #: D gives up on a silent or vanished P after this many seconds (then kv_load_failure_policy applies).
     timeout_s: float = 30.0
     #: Speculation cap on D (tokens decoded on the anchor before the request waits for the residual).
@@ -148,7 +152,7 @@ class LynxConfig:
                 kw[key] = _as_int(key, extra[key], minimum=lo, maximum=hi)
         for key, lo in (("lease_s", 0.1), ("timeout_s", 0.1), ("speculative_min_margin", 0.0)):
             if key in extra:
-                kw[key] = _as_float(key, extra[key], minimum=lo)
+                kw[key] = _as_float(key, extra[key], minimum=lo, allow_none=key == "lease_s")
         if "side_channel_host" in extra:
             host = str(extra["side_channel_host"]).strip()
             if not host:
@@ -178,11 +182,15 @@ class LynxConfig:
         if self.status_dir is not None:
             os.makedirs(self.status_dir, exist_ok=True)
             status = os.path.join(self.status_dir, endpoint + ".json")
-        return TransportConfig(
-            link_gbps=self.link_gbps, chunk_bytes=self.chunk_bytes, window_bytes=self.window_bytes,
-            lease_s=self.lease_s, timeout_s=self.timeout_s, host=self.side_channel_host,
-            port=self.side_channel_port + tp_rank if self.side_channel_port else 0,
-            pool_bytes=self.staging_mb << 20, key=key, status_path=status)
+        kw = dict(link_gbps=self.link_gbps, chunk_bytes=self.chunk_bytes, window_bytes=self.window_bytes,
+                  timeout_s=self.timeout_s, host=self.side_channel_host,
+                  port=self.side_channel_port + tp_rank if self.side_channel_port else 0,
+                  pool_bytes=self.staging_mb << 20, key=key, status_path=status)
+        lease_s = self.lease_s
+        if lease_s is None:  # the default: 120 s, or longer when a full pool drains slower than that at link_gbps
+            drain_s = TransportConfig(**kw, lease_s=1e12).pool_drain_s or 0.0
+            lease_s = max(DEFAULT_LEASE_S, float(math.ceil(1.25 * drain_s)))
+        return TransportConfig(**kw, lease_s=lease_s)
 
     def describe(self) -> str:
         """One line for the start-up log."""

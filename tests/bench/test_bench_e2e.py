@@ -163,14 +163,3 @@ def test_kv_config_carries_the_gate_only_when_given() -> None:
     off = json.loads(e2e.kv_config(None, 0.0))["kv_connector_extra_config"]
     assert off["speculative_min_margin"] == 0.0 and off["link_gbps"] is None
 
-
-def test_kv_config_lengthens_the_lease_only_for_links_too_slow_to_drain_the_pool() -> None:
-    """256 MiB of staging at 7 Mb/s takes 307 s, beyond the default 120 s lease (P would refuse to start)."""
-    from lynx_connector.config import LynxConfig
-
-    slow = json.loads(e2e.kv_config(0.007))["kv_connector_extra_config"]
-    assert slow["lease_s"] == 384.0
-    cfg = LynxConfig.from_extra_config(slow)
-    cfg.transport_config(0, None, "p")  # starts: the lease covers a full pool at that rate
-    with pytest.raises(ValueError, match="lease_s"):
-        LynxConfig.from_extra_config({**slow, "lease_s": 120}).transport_config(0, None, "p")

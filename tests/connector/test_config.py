@@ -55,3 +55,16 @@ def test_speculative_min_margin_parses_and_zero_disables():
     assert LynxConfig.from_extra_config(None).speculative_min_margin == 0.4
     assert LynxConfig.from_extra_config({"speculative_min_margin": "0"}).speculative_min_margin == 0.0
     assert LynxConfig.from_extra_config({"speculative_min_margin": 1.25}).speculative_min_margin == 1.25
+
+
+def test_default_lease_covers_draining_a_full_pool_and_a_short_one_is_refused():
+    """256 MiB of staging at 7 Mb/s takes 307 s: the default lease grows to 1.25x that; an explicit 120 s lease
+    is a start-up error naming the minimum (P could otherwise free staging D is still reading)."""
+    assert LynxConfig.from_extra_config({}).transport_config(0, None, "p").lease_s == 120.0
+    assert LynxConfig.from_extra_config({"link_gbps": 1}).transport_config(0, None, "p").lease_s == 120.0
+    slow = LynxConfig.from_extra_config({"link_gbps": 0.007, "lease_s": "null"})
+    assert slow.transport_config(0, None, "p").lease_s == 384.0
+    with pytest.raises(ValueError, match=r"lease_s \(120 s\).*at least 307 or lower staging_mb"):
+        LynxConfig.from_extra_config({"link_gbps": 0.007, "lease_s": 120}).transport_config(0, None, "p")
+    small = LynxConfig.from_extra_config({"link_gbps": 0.007, "lease_s": 120, "staging_mb": 64})
+    assert small.transport_config(0, None, "p").lease_s == 120.0

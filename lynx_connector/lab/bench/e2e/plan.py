@@ -5,7 +5,6 @@ D's KVTransferConfig and the prompts. No process, no HTTP: everything here is pu
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,22 +108,8 @@ def choose_rates(prefill_s: float, ref_tokens: int, shape: ModelShape, ratios: l
     return [float(f"{ref_bf16_bytes(ref_tokens, shape) * 8 / (ratio * prefill_s) / 1e9:.4g}") for ratio in ratios]
 
 
-def lease_for(link_gbps: float | None) -> float | None:
-    """P's lease for a paced link, when the default lease is too short: a full staging pool must drain within it
-    (``TransportConfig`` refuses to start otherwise); None = the default lease will do."""
-    from lynx_connector.config import LynxConfig
-    from lynx_connector.transport.config import TransportConfig
-
-    cfg = LynxConfig()
-    drain_s = TransportConfig(link_gbps=link_gbps, pool_bytes=cfg.staging_mb << 20, lease_s=1e9).pool_drain_s
-    return None if drain_s is None or drain_s <= cfg.lease_s else float(math.ceil(1.25 * drain_s))
-
-
 def kv_config(link_gbps: float | None, spec_min_margin: float | None = None) -> str:
     extra: dict[str, Any] = {"mode": "full", "link_gbps": link_gbps}
-    lease = lease_for(link_gbps)
-    if lease is not None:
-        extra["lease_s"] = lease
     if spec_min_margin is not None:
         extra["speculative_min_margin"] = spec_min_margin
     return json.dumps({"kv_connector": "lynx", "kv_connector_extra_config": extra})
