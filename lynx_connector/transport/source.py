@@ -6,8 +6,8 @@ Lifecycle of a request's staging: (`expect`: D's queries get NotReady while P wa
 caller encodes into the views -> `publish` (queries answered from then on; before, D gets NotReady and
 retries) -> freed on D's Done (side channel, or a NIXL notification ``done:<transfer_id>:<token>``), on lease
 expiry (`lease_s` after publish, renewed by each query and KeepAlive of its owner: D renews every request it
-pulls, queued or in flight), or on `abort`. Regions freed by lease expiry are not reused for
-``config.lease_grace_s`` (a D may still be reading them); each staging has a generation (``Regions.generation``)
+pulls, queued or in flight), or on `abort`. Regions freed by lease expiry (or aborted once a D got them) are
+not reused for ``config.lease_grace_s`` (a D may still be reading them); each staging has a generation (``Regions.generation``)
 that seeds its checksums, so bytes of another tenancy of the same regions fail D's check. `reject(req_id, code,
 message)` gives up on a request: D's next query gets that error at once (e.g. ``staging_full``).
 
@@ -261,8 +261,9 @@ class TransferSource(SideChannelServer):
             self._by_tid.pop(entry.transfer_id, None)
             self._freed.append(req_id)
             self.counters[f"freed_{why}"] += 1
-        if entry.staged is not None:  # after a lease ran out, a D may still be reading: not reused for a while
-            self.pool.free_request(req_id, self.config.lease_grace_s if why == "lease" else 0.0)
+        if entry.staged is not None:  # a D may still be reading (lease over, or aborted after Regions): not reused
+            reading = why == "lease" or (why == "abort" and entry.owner is not None)  # for a while
+            self.pool.free_request(req_id, self.config.lease_grace_s if reading else 0.0)
         logger.debug("freed staging of %s (%s)", req_id, why)
         return True
 
