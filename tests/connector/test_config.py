@@ -55,3 +55,14 @@ def test_speculative_min_margin_parses_and_zero_disables():
     assert LynxConfig.from_extra_config(None).speculative_min_margin == 0.4
     assert LynxConfig.from_extra_config({"speculative_min_margin": "0"}).speculative_min_margin == 0.0
     assert LynxConfig.from_extra_config({"speculative_min_margin": 1.25}).speculative_min_margin == 1.25
+
+
+@pytest.mark.parametrize("key", ["report_speculation", "insecure_side_channel"])
+def test_boolean_keys_parse_strings_and_refuse_others(key):
+    assert getattr(LynxConfig(), key) is False
+    assert getattr(LynxConfig.from_extra_config({key: "true"}), key) is True
+    assert getattr(LynxConfig.from_extra_config({key: False}), key) is False
+    with pytest.raises(LynxConfigError, match=key):
+        LynxConfig.from_extra_config({key: "maybe"})
+    with pytest.raises(LynxConfigError, match=key):
+        LynxConfig.from_extra_config({key: 1})
