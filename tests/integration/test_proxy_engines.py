@@ -26,8 +26,9 @@ def deployment(tmp_path_factory):
         pytest.skip("the real model is not prepared (scripts/setup_env.sh prepares it)")
     # speculative on both (the preset gives D the Lynx scheduler): the summary exists to be asked for or not
     cfg = json.dumps({"kv_connector": "lynx:speculative", "kv_connector_extra_config": {"lease_s": 60}})
+    # D logs its aborts (--enable-log-requests): vLLM does not count client aborts in vllm:request_success_total
     with Deployment(str(model_dir()), tmp_path_factory.mktemp("servers"), kv_transfer_config=cfg,
-                    max_model_len=4096) as dep:
+                    max_model_len=4096, decode_serve_args=["--enable-log-requests"]) as dep:
         yield dep
 
 
@@ -38,9 +39,10 @@ def model(deployment):
     return str(model_dir())
 
 
-def raw_post(url: str, body: dict, timeout: float = 300) -> tuple[int, bytes, dict[str, str]]:
+def raw_post(url: str, body: dict, timeout: float = 300, request_id: str | None = None) -> tuple[int, bytes, dict]:
     """Status, body bytes and headers, error answers included."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"X-Request-Id": request_id} if request_id else {})}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read(), dict(resp.headers)
@@ -56,6 +58,13 @@ def metric(server_url: str, name: str, labels: str = "") -> float:
         if labels in m.group(1):
             total += float(m.group(2))
     return total
+
+
+def aborted_on_d(deployment, request_id: str) -> bool:
+    """D's vLLM logged the abort of the request whose X-Request-Id was ``request_id`` ("Aborted request(s)
+    cmpl-<id>-..." / "Request cmpl-<id>-... aborted.", with --enable-log-requests)."""
+    return any("borted" in line and f"cmpl-{request_id}-" in line
+               for line in deployment.decode.log_path.read_text(errors="replace").splitlines())
 
 
 def wait_for(cond, timeout: float, what: str) -> float:
@@ -92,7 +101,7 @@ def test_client_disconnect_mid_stream_aborts_on_d(deployment, model):
     counts it as an abort; nothing left running or waiting), the proxy logs it as a disconnect without a
     traceback, and the next request is served."""
     d = deployment.decode.url
-    aborted0 = metric(d, "vllm:request_success_total", 'finished_reason="abort"')
+    finished0 = metric(d, "vllm:request_success_total")
     body = {"model": model, "prompt": "Count from one to one thousand: one, two,", "max_tokens": 3000,
             "ignore_eos": True, "temperature": 0, "stream": True}
     u = urllib.parse.urlsplit(deployment.url)
@@ -106,13 +115,14 @@ def test_client_disconnect_mid_stream_aborts_on_d(deployment, model):
         line = resp.fp.readline()
         assert line, "stream ended early"
         events += line.startswith(b"data: ")
-    assert metric(d, "vllm:num_requests_running") == 1
+    assert metric(d, "vllm:num_requests_running") == 1 and metric(d, "vllm:kv_cache_usage_perc") > 0
     conn.sock.close()  # the client goes away, 3000 tokens from the end
     conn.close()
     waited = wait_for(lambda: metric(d, "vllm:num_requests_running") == 0, 30, "D still runs the request")
     assert metric(d, "vllm:num_requests_waiting") == 0
-    wait_for(lambda: metric(d, "vllm:request_success_total", 'finished_reason="abort"') == aborted0 + 1, 10,
-             "D did not count an abort")
+    wait_for(lambda: aborted_on_d(deployment, "disconnect-test-1"), 10, "D did not abort the request")
+    wait_for(lambda: metric(d, "vllm:kv_cache_usage_perc") == 0, 10, "D's blocks were not freed")
+    assert metric(d, "vllm:request_success_total") == finished0  # aborted, not finished
     print(f"D idle {waited:.1f}s after the client disconnected")
     log = deployment.proxy.log_path.read_text()
     gone = [line for line in log.splitlines() if "disconnect-test-1" in line]
@@ -128,14 +138,17 @@ def test_client_disconnect_before_d_answers_aborts_on_d(deployment, model):
     """Not streaming: a client that gives up while D generates makes D abort too (vLLM's non-streaming
     handler is cancelled when its connection closes)."""
     d = deployment.decode.url
-    aborted0 = metric(d, "vllm:request_success_total", 'finished_reason="abort"')
+    finished0 = metric(d, "vllm:request_success_total")
     body = {"model": model, "prompt": "Count from one to one thousand: one, two,", "max_tokens": 3000,
             "ignore_eos": True, "temperature": 0}
     with pytest.raises((TimeoutError, OSError)):
-        raw_post(deployment.url + "/v1/completions", body, timeout=8)
-    wait_for(lambda: metric(d, "vllm:request_success_total", 'finished_reason="abort"') == aborted0 + 1, 30,
-             "D did not abort the request")
+        raw_post(deployment.url + "/v1/completions", body, timeout=8, request_id="disconnect-test-2")
+    wait_for(lambda: aborted_on_d(deployment, "disconnect-test-2"), 30, "D did not abort the request")
     wait_for(lambda: metric(d, "vllm:num_requests_running") == 0, 10, "D still runs the request")
+    wait_for(lambda: metric(d, "vllm:kv_cache_usage_perc") == 0, 10, "D's blocks were not freed")
+    assert metric(d, "vllm:request_success_total") == finished0
+    log = deployment.proxy.log_path.read_text()
+    assert any("disconnect-test-2" in line and "client disconnected" in line for line in log.splitlines())
 
 
 def test_speculation_summary_only_when_asked_for(deployment, model):
