@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+#: The per-request form of ``report_speculation``: ``kv_transfer_params: {"lynx_report": true}`` on a request to D
+#: (``lynx proxy`` adds it to D's params when the client sent it) returns that request's speculation summary.
+REPORT_KEY = "lynx_report"
+
 
 DEFAULT_LEASE_S = 120.0
 
@@ -47,6 +51,14 @@ def _as_float(key: str, value: Any, *, minimum: float | None = None, allow_none:
     if minimum is not None and out < minimum:
         raise LynxConfigError(f"{key}: must be >= {minimum}, got {value!r}")
     return out
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
+        value = value.strip().lower() in ("true", "1", "yes")
+    if not isinstance(value, bool):
+        raise LynxConfigError(f"{key}: expected true or false, got {value!r}")
+    return value
 
 
 def _as_int(key: str, value: Any, *, minimum: int, maximum: int | None = None) -> int:
@@ -96,6 +108,9 @@ class LynxConfig:
     #: minus the runner-up, in nats) is below this is not held, and the request waits for the residual (its
     #: followers would be verified against an uncertain token). 0 holds every token up to the cap.
     speculative_min_margin: float = 0.4
+    #: D returns every speculative request's summary (``kv_transfer_params.lynx_speculation`` of its final output);
+    #: off: only to requests whose kv_transfer_params carry ``"lynx_report": true``, the others get vLLM's null.
+    report_speculation: bool = False
     #: Test-only fault injection: "corrupt_residual" flips the residual bits D merges (after its checksum).
     fault_injection: str | None = None
     #: A folder where each worker's transport writes its live counters (staging, pulls, requests waiting for
@@ -161,13 +176,9 @@ class LynxConfig:
         if "status_dir" in extra:
             sd = extra["status_dir"]
             kw["status_dir"] = None if sd in (None, "") else str(sd)
-        if "insecure_side_channel" in extra:
-            val = extra["insecure_side_channel"]
-            if isinstance(val, str) and val.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
-                val = val.strip().lower() in ("true", "1", "yes")
-            if not isinstance(val, bool):
-                raise LynxConfigError(f"insecure_side_channel: expected true or false, got {val!r}")
-            kw["insecure_side_channel"] = val
+        for key in ("insecure_side_channel", "report_speculation"):
+            if key in extra:
+                kw[key] = _as_bool(key, extra[key])
         if "fault_injection" in extra:
             fi = extra["fault_injection"]
             kw["fault_injection"] = None if fi in (None, "", "none") else str(fi)

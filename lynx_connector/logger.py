@@ -14,3 +14,16 @@ def init_logger(name: str) -> logging.Logger:
     # vLLM configures handlers and its format on the "vllm" logger tree only: log under it so our lines
     # appear like vLLM's own and follow VLLM_LOGGING_LEVEL.
     return _vllm_init_logger(name if name.startswith("vllm.") else f"vllm.{name}")
+
+
+def configure_process_logging() -> None:
+    """For a process that starts no vLLM engine (``lynx proxy``): apply vLLM's logging configuration (its
+    handler and format, VLLM_LOGGING_LEVEL, VLLM_LOGGING_CONFIG_PATH), which vLLM itself applies only when an
+    engine starts; without it only warnings reach stderr, unformatted."""
+    try:
+        from vllm.config.logging import LoggingConfig
+        from vllm.logger import configure_logging_if_needed
+    except Exception:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+        return
+    configure_logging_if_needed(LoggingConfig())

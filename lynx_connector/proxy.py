@@ -2,32 +2,43 @@
 
 Per request (``/v1/completions`` and ``/v1/chat/completions``, streaming or not):
 
-1. send it to a prefill server (round-robin) with ``max_tokens=1`` (and ``max_completion_tokens=1`` for
-   chat), ``stream=false`` and ``kv_transfer_params={"do_remote_decode": true, "do_remote_prefill":
-   false, ...}``;
+1. send it to a prefill server with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat),
+   ``stream=false`` and ``kv_transfer_params={"do_remote_decode": true, "do_remote_prefill": false, ...}``;
 2. take the ``kv_transfer_params`` from P's response (they say where D pulls the KV from);
-3. send the original request to a decode server (round-robin) with those params, and return D's
-   response unchanged (SSE bytes passed through as they arrive).
+3. send the original request to a decode server with those params, and return D's response unchanged (SSE bytes
+   passed through as they arrive).
+
+Of a client's ``kv_transfer_params`` only two keys are used: ``lynx_mode`` (the transfer mode, sent to P) and
+``"lynx_report": true`` (added to D's params: D then returns the request's speculation summary in
+``kv_transfer_params.lynx_speculation``; without it D answers vLLM's null, unless D runs with
+``report_speculation``).
 
 Admission (``lynx_connector/admission.py``): at most ``--max-inflight`` requests per server, the least-loaded
 server first; a request waits for a decode slot, then a prefill slot, in a FIFO queue of at most
-``--max-queued`` for at most ``--queue-timeout`` s, and is answered 503 naming the limit when it cannot get one.
-``/lynx/stats`` shows the slots in use and the queue.
+``--max-queued`` for at most ``--queue-timeout`` s, and is answered 503 when it cannot get one (the limit is
+named in the log). ``/lynx/stats`` shows the slots in use and the queue.
 
-``/health`` checks every P and D ``/health``; ``/v1/models`` is passed through to a D. Errors are OpenAI
-style JSON ``{"error": {"message", "type", "code"}}`` naming the side that failed: 503 when a server is
-unreachable, 504 on a timeout, 502 when it misbehaves (5xx, no ``kv_transfer_params``); 4xx answers
-(bad request, prompt too long) are passed through with their status.
+Hygiene: request bodies over ``--max-body-bytes`` are answered 413; ``--request-timeout`` bounds a whole request
+(queue, P, D, stream): 504, or inside a stream vLLM's error event and ``[DONE]``. A client that disconnects
+cancels the calls to P and D (so vLLM aborts the request and frees its blocks), logged as one INFO line. The
+correlation id is the client's ``X-Request-Id`` when it is at most 128 characters of ``[A-Za-z0-9._:-]``,
+otherwise the proxy's own ``lynx-<hex>``; it is sent to P and D, returned in the response header
+``X-Request-Id`` and in every proxy log line about the request.
+
+Errors: vLLM's own 4xx answers from P or D (bad parameter, prompt too long, unknown model) are relayed
+byte for byte with their status. What the proxy produces itself is in vLLM's error shape (``proxy_http``) with a
+generic message naming the side and the correlation id, the details (URL, exception) in the log only: 503 when
+a server is unreachable or every slot is taken, 504 on a timeout, 502 when a server misbehaves (5xx, invalid
+JSON, no ``kv_transfer_params``). ``/health`` checks every P and D ``/health``; ``/v1/models`` is passed through
+to a D.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import itertools
 import json
-import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,20 +46,36 @@ import aiohttp
 from aiohttp import web
 
 from lynx_connector.admission import Overloaded, ServerSlots
-from lynx_connector.logger import init_logger
+from lynx_connector.logger import configure_process_logging, init_logger
+from lynx_connector.proxy_http import (
+    REQUEST_ID_HEADER,
+    ClientGone,
+    Passthrough,
+    ProxyError,
+    correlation_id,
+    error_response,
+)
+from lynx_connector.proxy_upstream import (
+    PREFILL_KV_PARAMS,
+    Call,
+    build_decode_request,
+    build_prefill_request,
+    decode,
+    forward_headers,
+    prefill,
+    transport_error,
+)
+
+__all__ = ["PREFILL_KV_PARAMS", "ProxyConfig", "build_decode_request", "build_prefill_request", "create_app",
+           "normalize_url", "run"]
 
 logger = init_logger(__name__)
 
-PREFILL_KV_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 UPSTREAM_KEEPALIVE_S = 2.0  # below uvicorn's default keep-alive (5 s), which vLLM's OpenAI server uses
+#: How the proxy's server runs (``run`` and the tests): a client that disconnects cancels its handler, and with
+#: it the calls to P and D (aiohttp's ``run_app`` default is to let the handler run on).
+SERVER_OPTIONS: dict[str, Any] = {"handler_cancellation": True, "access_log": None}
+RID_KEY: web.RequestKey[str] = web.RequestKey("lynx_request_id", str)
 
 
 def normalize_url(url: str) -> str:
@@ -71,32 +98,19 @@ class ProxyConfig:
     max_inflight: int = 16  # per server
     max_queued: int = 256  # requests waiting for a slot, all servers of a role together
     queue_timeout_s: float = 120.0
+    request_timeout_s: float = 1800.0  # a whole request: queue, P, D and the stream
+    max_body_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
             raise ValueError("the proxy needs at least one --prefill and one --decode URL")
         if self.max_inflight < 1 or self.max_queued < 0 or not self.queue_timeout_s > 0:
             raise ValueError("--max-inflight must be >= 1, --max-queued >= 0 and --queue-timeout > 0")
+        if not self.request_timeout_s > 0 or self.max_body_bytes < 1024:
+            raise ValueError(f"--request-timeout must be > 0 (got {self.request_timeout_s}) and --max-body-bytes "
+                             f">= 1024 (got {self.max_body_bytes})")
         self.prefill = [normalize_url(u) for u in self.prefill]
         self.decode = [normalize_url(u) for u in self.decode]
-
-
-class UpstreamError(Exception):
-    """A P or D failure turned into the proxy's HTTP answer."""
-
-    def __init__(self, status: int, message: str, err_type: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.err_type = err_type
-
-    def response(self) -> web.Response:
-        return error_response(self.status, self.message, self.err_type)
-
-
-def error_response(status: int, message: str, err_type: str) -> web.Response:
-    body = {"error": {"message": message, "type": err_type, "code": status}}
-    return web.json_response(body, status=status)
 
 
 @dataclass
@@ -117,134 +131,67 @@ class _State:
 STATE_KEY: web.AppKey[_State] = web.AppKey("lynx_proxy_state", _State)
 
 
-def build_prefill_request(body: dict[str, Any], chat: bool) -> dict[str, Any]:
-    """P's copy of the request: one token, no streaming, remote decode requested."""
-    req = copy.deepcopy(body)
-    req["max_tokens"] = 1
-    if chat:
-        req["max_completion_tokens"] = 1
-    req["stream"] = False
-    req.pop("stream_options", None)
-    req.pop("min_tokens", None)
-    params = dict(PREFILL_KV_PARAMS)
-    client = body.get("kv_transfer_params")
-    if isinstance(client, dict) and isinstance(client.get("lynx_mode"), str):
-        # The one key a client may set: the transfer mode of this request (P encodes with it, D follows P).
-        params["lynx_mode"] = client["lynx_mode"]
-    req["kv_transfer_params"] = params
-    return req
-
-
-def _forward_headers(request: web.Request, request_id: str) -> dict[str, str]:
-    headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
-    headers.setdefault("X-Request-Id", request_id)
-    return headers
-
-
-def _side_error(side: str, url: str, exc: BaseException) -> UpstreamError:
-    if isinstance(exc, TimeoutError):
-        return UpstreamError(504, f"{side} server {url} timed out", f"{side}_timeout")
-    return UpstreamError(503, f"{side} server {url} unreachable: {exc}", f"{side}_unavailable")
-
-
-async def _upstream_status_error(side: str, url: str, resp: aiohttp.ClientResponse) -> UpstreamError:
-    text = (await resp.text())[:2000]
-    if 400 <= resp.status < 500:  # the client's fault: pass the status through
-        try:
-            message = json.loads(text)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = text
-        return UpstreamError(resp.status, f"{side} server {url}: {message}", "invalid_request_error")
-    return UpstreamError(502, f"{side} server {url} returned HTTP {resp.status}: {text}", f"{side}_error")
-
-
-async def _prefill(state: _State, url: str, request: web.Request, body: dict[str, Any], chat: bool,
-                   path: str, request_id: str) -> dict[str, Any]:
+async def _serve(state: _State, call: Call, request: web.Request, body: dict[str, Any],
+                 chat: bool) -> web.StreamResponse:
     assert state.session is not None
-    try:
-        async with state.session.post(url + path, json=build_prefill_request(body, chat),
-                                      headers=_forward_headers(request, request_id)) as resp:
-            if resp.status != 200:
-                raise await _upstream_status_error("prefill", url, resp)
-            try:
-                answer = await resp.json(content_type=None)
-            except ValueError as e:
-                raise UpstreamError(502, f"prefill server {url} returned invalid JSON: {e}",
-                                    "prefill_error") from e
-    except (TimeoutError, aiohttp.ClientError) as e:
-        raise _side_error("prefill", url, e) from e
-    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-    if not isinstance(params, dict) or not params:
-        raise UpstreamError(
-            502,
-            f"prefill server {url} returned no kv_transfer_params; is it running with a KV connector "
-            "(e.g. --kv-transfer-config lynx)?",
-            "prefill_error",
-        )
-    logger.debug("request %s prefilled on %s: kv_transfer_params=%s", request_id, url, params)
-    return params
-
-
-async def _decode(state: _State, url: str, request: web.Request, body: dict[str, Any], path: str,
-                  request_id: str) -> web.StreamResponse:
-    assert state.session is not None
-    try:
-        resp = await state.session.post(url + path, json=body,
-                                        headers=_forward_headers(request, request_id))
-    except (TimeoutError, aiohttp.ClientError) as e:
-        raise _side_error("decode", url, e) from e
-    try:
-        if resp.status != 200:
-            raise await _upstream_status_error("decode", url, resp)
-        content_type = resp.headers.get("Content-Type", "application/json")
-        if not body.get("stream"):
-            try:
-                payload = await resp.read()
-            except (TimeoutError, aiohttp.ClientError) as e:
-                raise _side_error("decode", url, e) from e
-            return web.Response(body=payload, status=resp.status,
-                                headers={"Content-Type": content_type})
-        out = web.StreamResponse(status=200, headers={"Content-Type": content_type,
-                                                      "Cache-Control": "no-cache"})
-        await out.prepare(request)
-        try:
-            async for chunk in resp.content.iter_any():
-                await out.write(chunk)
-        except (TimeoutError, aiohttp.ClientError) as e:
-            logger.warning("request %s: decode server %s failed mid-stream: %s", request_id, url, e)
-            event = {"error": {"message": f"decode server {url} failed mid-stream: {e}",
-                               "type": "decode_error", "code": 502}}
-            await out.write(f"data: {json.dumps(event)}\n\n".encode())
-        await out.write_eof()
-        return out
-    finally:
-        resp.release()
+    call.phase = "waiting for a decode slot"
+    # D's slot first: decode capacity is what P's staged KV waits for, so P only prefills for a ready D
+    async with state.decode_slots.slot() as d_url:
+        call.phase = "waiting for a prefill slot"
+        async with state.prefill_slots.slot() as p_url:
+            params = await prefill(state.session, call, p_url, request, body, chat)
+        return await decode(state.session, call, d_url, request, build_decode_request(body, params))
 
 
 async def _handle_generate(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE_KEY]
+    cfg = state.config
+    call = Call(request[RID_KEY])
+    rid = call.request_id
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
     try:
-        body = await request.json()
-    except ValueError:
-        return error_response(400, "request body is not valid JSON", "invalid_request_error")
-    if not isinstance(body, dict):
-        return error_response(400, "request body must be a JSON object", "invalid_request_error")
-    path = request.path
-    request_id = request.headers.get("X-Request-Id") or f"lynx-{uuid.uuid4().hex}"
-    try:
-        # D's slot first: decode capacity is what P's staged KV waits for, so P only prefills for a ready D
-        async with state.decode_slots.slot() as d_url:
-            async with state.prefill_slots.slot() as p_url:
-                params = await _prefill(state, p_url, request, body, chat, path, request_id)
-            d_body = copy.deepcopy(body)
-            d_body["kv_transfer_params"] = params
-            return await _decode(state, d_url, request, d_body, path, request_id)
+        async with asyncio.timeout(cfg.request_timeout_s):
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                logger.info("request %s refused: body larger than --max-body-bytes %d", rid, cfg.max_body_bytes)
+                return error_response(413, f"request body larger than {cfg.max_body_bytes} bytes", rid)
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                return error_response(400, "request body is not valid JSON", rid)
+            if not isinstance(body, dict):
+                return error_response(400, "request body must be a JSON object", rid)
+            return await _serve(state, call, request, body, chat)
+    except TimeoutError:  # the request's deadline (upstream timeouts are ProxyErrors by now)
+        logger.warning("request %s: deadline of %gs (--request-timeout) passed during %s%s", rid,
+                       cfg.request_timeout_s, call.phase, f" on {call.server}" if call.server else "")
+        message = f"request did not complete within {cfg.request_timeout_s:g}s"
+        if call.stream is not None:
+            return await call.end_stream(504, message)
+        return error_response(504, message, rid)
+    except (asyncio.CancelledError, ClientGone) as e:
+        # aiohttp cancels the handler when the client's connection closes (SERVER_OPTIONS); a write to a closed
+        # connection can see it first. Either way the calls to P and D were closed on the way out.
+        gone = isinstance(e, ClientGone) or request.transport is None or request.transport.is_closing()
+        logger.info("request %s: %s after %.1fs during %s%s; request cancelled", rid,
+                    "client disconnected" if gone else "handler cancelled (proxy stopping)", loop.time() - t0,
+                    call.phase, f" on {call.server}" if call.server else "")
+        if isinstance(e, ClientGone) and call.stream is not None:
+            return call.stream
+        raise
     except Overloaded as e:
-        logger.warning("request %s refused: %s", request_id, e)
-        return error_response(503, str(e), "server_overloaded")
-    except UpstreamError as e:
-        logger.warning("request %s failed: %s", request_id, e.message)
+        logger.warning("request %s refused: %s", rid, e)
+        return error_response(503, "server overloaded, retry later", rid)
+    except Passthrough as e:
+        logger.info("request %s: %s, relayed to the client: %s", rid, e, e.body[:300].decode(errors="replace"))
         return e.response()
+    except ProxyError as e:
+        logger.warning("request %s failed: %s", rid, e.detail)
+        if call.stream is not None:
+            return await call.end_stream(e.status, e.message)
+        return e.response(rid)
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
@@ -285,13 +232,16 @@ async def handle_models(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     assert state.session is not None
     url = next(state.models_rr)
+    rid = request[RID_KEY]
     try:
-        async with state.session.get(url + "/v1/models", headers=_forward_headers(request, "models")) as resp:
+        async with state.session.get(url + "/v1/models", headers=forward_headers(request, rid)) as resp:
             payload = await resp.read()
             return web.Response(body=payload, status=resp.status,
                                 headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
     except (TimeoutError, aiohttp.ClientError) as e:
-        return _side_error("decode", url, e).response()
+        err = transport_error("decode", url, e)
+        logger.warning("request %s (/v1/models) failed: %s", rid, err.detail)
+        return err.response(rid)
 
 
 async def handle_stats(request: web.Request) -> web.Response:
@@ -302,9 +252,25 @@ async def handle_stats(request: web.Request) -> web.Response:
                               "decode": asdict(state.decode_slots.stats())})
 
 
+@web.middleware
+async def _correlate(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Give the request its correlation id (the client's X-Request-Id when bounded)."""
+    rid, refused = correlation_id(request.headers.get(REQUEST_ID_HEADER))
+    request[RID_KEY] = rid
+    if refused is not None:
+        logger.info("request %s: the client's X-Request-Id was not used (%s)", rid, refused)
+    return await handler(request)
+
+
+async def _tag_response(request: web.Request, response: web.StreamResponse) -> None:
+    rid = request.get(RID_KEY)
+    if rid is not None:
+        response.headers[REQUEST_ID_HEADER] = rid
+
+
 def create_app(config: ProxyConfig) -> web.Application:
     """The proxy as an aiohttp application (used by :func:`run` and by the tests)."""
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_correlate])
     state = _State(config)
     app[STATE_KEY] = state
 
@@ -320,6 +286,7 @@ def create_app(config: ProxyConfig) -> web.Application:
         if state.session is not None:
             await state.session.close()
 
+    app.on_response_prepare.append(_tag_response)
     app.on_startup.append(open_session)
     app.on_cleanup.append(close_session)
     app.router.add_post("/v1/completions", handle_completions)
@@ -349,20 +316,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests waiting for a slot before new ones are refused with 503")
     parser.add_argument("--queue-timeout", type=float, default=ProxyConfig.queue_timeout_s,
                         help="seconds a request may wait for a slot before it is refused with 503")
+    parser.add_argument("--request-timeout", type=float, default=ProxyConfig.request_timeout_s,
+                        help="seconds a whole request may take (queue, prefill, decode, stream) before it is "
+                             "answered 504")
+    parser.add_argument("--max-body-bytes", type=int, default=ProxyConfig.max_body_bytes,
+                        help="largest request body accepted; larger ones are answered 413")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(prefill=args.prefill, decode=args.decode, host=args.host, port=args.port,
                        connect_timeout_s=args.connect_timeout, read_timeout_s=args.read_timeout,
                        health_timeout_s=args.health_timeout, max_inflight=args.max_inflight,
-                       max_queued=args.max_queued, queue_timeout_s=args.queue_timeout)
+                       max_queued=args.max_queued, queue_timeout_s=args.queue_timeout,
+                       request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes)
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted."""
+    configure_process_logging()
     config = config_from_args(args)
     logger.info("Lynx proxy on http://%s:%s: prefill %s, decode %s", config.host, config.port,
                 config.prefill, config.decode)
-    web.run_app(create_app(config), host=config.host, port=config.port, print=None,
-                access_log=None)
+    web.run_app(create_app(config), host=config.host, port=config.port, print=None, **SERVER_OPTIONS)
     return 0

@@ -322,6 +322,10 @@ class SpeculationPort:
     def speculative_min_margin(self) -> float:
         return self._half.config.speculative_min_margin
 
+    @property
+    def report_speculation(self) -> bool:
+        return self._half.config.report_speculation
+
     def enable(self) -> None:
         self._half.speculation_enabled = True
 

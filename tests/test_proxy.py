@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from lynx_connector.proxy import ProxyConfig, build_prefill_request, create_app, normalize_url
+from lynx_connector.proxy import SERVER_OPTIONS, ProxyConfig, build_prefill_request, create_app, normalize_url
 
 P_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
             "remote_engine_id": "eng-p", "remote_request_id": "cmpl-1", "remote_host": "127.0.0.1",
@@ -48,7 +50,8 @@ class Fake:
         self.received.append(body)
         self.request_ids.append(request.headers.get("X-Request-Id"))
         if self.status != 200:
-            return web.json_response({"error": {"message": f"{self.role} says no"}}, status=self.status)
+            return web.Response(body=vllm_error(self.role, self.status), status=self.status,
+                                content_type="application/json")
         chat = request.path.endswith("chat/completions")
         if self.role == "prefill":
             return web.json_response({"id": "p", "choices": [{"text": "x"}],
@@ -67,6 +70,12 @@ class Fake:
         return web.json_response({"id": "d", "choices": [choice]})
 
 
+def vllm_error(role: str, status: int) -> bytes:
+    """An error body as vLLM writes one (compact JSON, ``param`` set)."""
+    return json.dumps({"error": {"message": f"{role} says no", "type": "BadRequestError", "param": "max_tokens",
+                                 "code": status}}, separators=(",", ":")).encode()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -74,6 +83,29 @@ def _free_port() -> int:
 
 
 Scenario = Callable[[aiohttp.ClientSession, str], Awaitable[None]]
+
+
+@pytest.fixture
+def proxy_log() -> Iterator[list[str]]:
+    """The proxy's log lines (its logger sits under vLLM's, which does not propagate to the root)."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage() + ("\n" + self.format(record) if record.exc_info else ""))
+
+    handler = Keep(level=logging.DEBUG)
+    loggers = [logging.getLogger(n) for n in ("vllm.lynx_connector.proxy", "vllm.lynx_connector.proxy_upstream")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.DEBUG)
+    try:
+        yield lines
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
 
 
 def run_scenario(fakes_p: list[Fake | None], fakes_d: list[Fake | None], scenario: Scenario,
@@ -93,13 +125,16 @@ def run_scenario(fakes_p: list[Fake | None], fakes_d: list[Fake | None], scenari
 
         p_urls = [await url_of(f) for f in fakes_p]
         d_urls = [await url_of(f) for f in fakes_d]
-        proxy = TestServer(create_app(ProxyConfig(prefill=p_urls, decode=d_urls, **cfg)), host="127.0.0.1")
-        await proxy.start_server()
+        # the proxy runs as `lynx proxy` runs it (SERVER_OPTIONS: a client that disconnects cancels its handler)
+        runner = web.AppRunner(create_app(ProxyConfig(prefill=p_urls, decode=d_urls, **cfg)), **SERVER_OPTIONS)
+        await runner.setup()
+        port = _free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
         try:
             async with aiohttp.ClientSession() as session:
-                await scenario(session, str(proxy.make_url("")).rstrip("/"))
+                await scenario(session, f"http://127.0.0.1:{port}")
         finally:
-            await proxy.close()
+            await runner.cleanup()
             for server in servers:
                 await server.close()
 
@@ -193,25 +228,37 @@ def test_round_robin() -> None:
     assert [len(f.received) for f in ps + ds] == [2, 2, 2, 2]
 
 
-def _expect_error(status: int, *words: str) -> Scenario:
+def check_proxy_error(status: int, payload: dict[str, Any], request_id: str, *words: str) -> str:
+    """The proxy's own error: vLLM's shape, a generic message with the correlation id, no URL."""
+    err = payload["error"]
+    assert list(payload) == ["error"] and list(err) == ["message", "type", "param", "code"], payload
+    assert err["code"] == status and err["param"] is None and err["type"], payload
+    assert err["message"].endswith(f"(request id: {request_id})"), payload
+    assert "127.0.0.1" not in err["message"] and "http" not in err["message"], payload
+    for word in words:
+        assert word in err["message"], payload
+    return err["message"]
+
+
+def _expect_error(status: int, *words: str, stream: bool = True) -> Scenario:
     async def scenario(s: aiohttp.ClientSession, url: str) -> None:
-        async with s.post(url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+        async with s.post(url + "/v1/completions", json={"prompt": "x", "stream": stream},
+                          headers={"X-Request-Id": "client-7"}) as r:
             assert r.status == status, await r.text()
-            message = (await r.json())["error"]["message"]
-        for word in words:
-            assert word in message, message
+            assert r.headers["X-Request-Id"] == "client-7"
+            check_proxy_error(status, await r.json(), "client-7", *words)
 
     return scenario
 
 
 def test_prefill_down() -> None:
     d = Fake("decode")
-    run_scenario([None], [d], _expect_error(503, "prefill", "unreachable"))
+    run_scenario([None], [d], _expect_error(503, "prefill", "unavailable"))
     assert d.received == []
 
 
 def test_decode_down() -> None:
-    run_scenario([Fake("prefill")], [None], _expect_error(503, "decode", "unreachable"))
+    run_scenario([Fake("prefill")], [None], _expect_error(503, "decode", "unavailable"))
 
 
 def test_prefill_without_kv_transfer_params() -> None:
@@ -220,16 +267,38 @@ def test_prefill_without_kv_transfer_params() -> None:
     assert d.received == []
 
 
-def test_upstream_errors() -> None:
-    run_scenario([Fake("prefill", status=500)], [Fake("decode")], _expect_error(502, "prefill", "500"))
-    run_scenario([Fake("prefill")], [Fake("decode", status=500)], _expect_error(502, "decode", "500"))
-    # a client error (e.g. prompt too long) keeps its status and message
-    run_scenario([Fake("prefill", status=400)], [Fake("decode")], _expect_error(400, "prefill says no"))
+def test_upstream_5xx_is_a_generic_502_with_the_details_in_the_log(proxy_log: list[str]) -> None:
+    run_scenario([Fake("prefill", status=500)], [Fake("decode")], _expect_error(502, "prefill"))
+    run_scenario([Fake("prefill")], [Fake("decode", status=503)], _expect_error(502, "decode", stream=False))
+    failed = [line for line in proxy_log if "failed" in line]
+    assert len(failed) == 2 and "HTTP 500" in failed[0] and "prefill says no" in failed[0], proxy_log
+    assert "request client-7" in failed[1] and "http://127.0.0.1:" in failed[1] and "HTTP 503" in failed[1]
+
+
+@pytest.mark.parametrize("status", [400, 404, 422])
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_vllm_4xx_bodies_pass_through_byte_identical(side: str, status: int) -> None:
+    p = Fake("prefill", status=status if side == "prefill" else 200)
+    d = Fake("decode", status=status if side == "decode" else 200)
+
+    async def scenario(s: aiohttp.ClientSession, url: str) -> None:
+        for stream in (False, True):
+            async with s.post(url + "/v1/completions", json={"prompt": "x", "stream": stream}) as r:
+                assert r.status == status
+                assert await r.read() == vllm_error(side, status)
+                assert r.headers["Content-Type"].startswith("application/json")
+                assert r.headers["X-Request-Id"].startswith("lynx-")
+
+    run_scenario([p], [d], scenario)
+    assert d.received == [] if side == "prefill" else len(d.received) == 2
 
 
 def test_bad_json_body() -> None:
     async def scenario(s: aiohttp.ClientSession, url: str) -> None:
         async with s.post(url + "/v1/completions", data=b"{not json") as r:
+            assert r.status == 400
+            check_proxy_error(400, await r.json(), r.headers["X-Request-Id"], "JSON")
+        async with s.post(url + "/v1/completions", json=[1, 2]) as r:
             assert r.status == 400
 
     run_scenario([Fake("prefill")], [Fake("decode")], scenario)
@@ -310,29 +379,36 @@ def test_admission_limits_inflight_per_server_and_queues_the_rest() -> None:
     assert d.peak == 3 and len(d.received) == 10
 
 
-def test_admission_refuses_at_once_when_the_queue_is_full_or_the_wait_too_long() -> None:
+def test_admission_refuses_at_once_when_the_queue_is_full_or_the_wait_too_long(proxy_log: list[str]) -> None:
     d = SlowDecode()
 
     async def scenario(s: aiohttp.ClientSession, url: str) -> None:
         async def one() -> tuple[int, str]:
             async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
-                return r.status, (await r.json())["error"]["message"] if r.status != 200 else ""
+                if r.status == 200:
+                    return 200, ""
+                return r.status, check_proxy_error(r.status, await r.json(), r.headers["X-Request-Id"])
 
         tasks = [asyncio.create_task(one()) for _ in range(4)]  # 1 in flight, 2 queued, 1 refused
         await asyncio.sleep(0.2)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         status, message = await one()  # the queue is full: refused at once
-        assert status == 503 and "--max-queued 2" in message and loop.time() - t0 < 0.5
+        assert status == 503 and "overloaded" in message and loop.time() - t0 < 0.5
         # the gate stays shut: of the other three, two time out in the queue and one was refused at once
         results = await asyncio.gather(*tasks[1:])
-        refused = [m for st, m in results if st == 503]
-        assert len(refused) == 3 and sum("--queue-timeout" in m for m in refused) == 2
+        assert [st for st, _ in results].count(503) == 3
+        async with s.get(url + "/lynx/stats") as r:
+            stats = (await r.json())["decode"]
+        assert stats["rejected_queue_full"] == 2 and stats["rejected_timeout"] == 2, stats
         d.gate.set()
         assert (await tasks[0])[0] == 200
         assert (await one())[0] == 200  # and the proxy serves again
 
     run_scenario([Fake("prefill")], [d], scenario, max_inflight=1, max_queued=2, queue_timeout_s=1.0)
+    refusals = [line for line in proxy_log if "refused" in line]
+    assert sum("--max-queued 2" in line for line in refusals) == 2, proxy_log  # the limit is named in the log
+    assert sum("--queue-timeout" in line for line in refusals) == 2, proxy_log
 
 
 def test_admission_picks_the_least_loaded_server() -> None:
@@ -349,3 +425,176 @@ def test_admission_picks_the_least_loaded_server() -> None:
 
     run_scenario([Fake("prefill")], [busy, idle], scenario)
     assert len(busy.received) == 1 and len(idle.received) == 3
+
+
+class Hanging(Fake):
+    """Answers nothing (after one SSE event when streaming) until the proxy closes the connection, and records
+    that it noticed: the handler is cancelled, as vLLM's is (which then aborts the request)."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(role)
+        self.started = asyncio.Event()
+        self.cancelled = asyncio.Event()
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(body)
+        try:
+            if body.get("stream"):
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+                await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+            self.started.set()
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        raise AssertionError("unreachable")
+
+
+async def _idle(s: aiohttp.ClientSession, url: str) -> None:
+    async with s.get(url + "/lynx/stats") as r:
+        stats = await r.json()
+    assert set(stats["decode"]["inflight"].values()) == {0} and set(stats["prefill"]["inflight"].values()) == {0}
+
+
+def _disconnect_logged(proxy_log: list[str], phase: str) -> None:
+    gone = [line for line in proxy_log if "client disconnected" in line]
+    assert len(gone) == 1 and phase in gone[0], proxy_log
+    assert not any("Traceback" in line or "failed" in line for line in proxy_log), proxy_log
+
+
+def test_client_disconnect_mid_stream_cancels_the_decode_call(proxy_log: list[str]) -> None:
+    d = Hanging("decode")
+
+    async def scenario(s: aiohttp.ClientSession, url: str) -> None:
+        r = await s.post(url + "/v1/completions", json={"prompt": "x", "stream": True})
+        assert r.status == 200 and (await r.content.readany()).startswith(b"data: ")
+        r.close()  # the client goes away mid-generation
+        await asyncio.wait_for(d.cancelled.wait(), 5)
+        await asyncio.sleep(0.1)
+        await _idle(s, url)
+
+    run_scenario([Fake("prefill")], [d], scenario)
+    _disconnect_logged(proxy_log, "decode stream")
+
+
+def test_client_disconnect_while_waiting_for_d_or_p_cancels_that_call(proxy_log: list[str]) -> None:
+    for side in ("decode", "prefill"):
+        p = Hanging("prefill") if side == "prefill" else Fake("prefill")
+        d = Hanging("decode") if side == "decode" else Fake("decode")
+        hanging = p if side == "prefill" else d
+        assert isinstance(hanging, Hanging)
+
+        async def scenario(s: aiohttp.ClientSession, url: str, hanging: Hanging = hanging) -> None:
+            with pytest.raises(TimeoutError):
+                await s.post(url + "/v1/completions", json={"prompt": "x"}, timeout=aiohttp.ClientTimeout(total=0.5))
+            await asyncio.wait_for(hanging.cancelled.wait(), 5)
+            await asyncio.sleep(0.1)
+            await _idle(s, url)
+
+        run_scenario([p], [d], scenario)
+        _disconnect_logged(proxy_log, side)
+        assert len(d.received) == (1 if side == "decode" else 0)
+        proxy_log.clear()
+
+
+def test_decode_failing_mid_stream_ends_with_vllms_error_event(proxy_log: list[str]) -> None:
+    class Dies(Fake):
+        async def generate(self, request: web.Request) -> web.StreamResponse:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choi')
+            assert request.transport is not None
+            request.transport.abort()  # D dies mid-event
+            return resp
+
+    async def scenario(s: aiohttp.ClientSession, url: str) -> None:
+        async with s.post(url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+            assert r.status == 200
+            rid = r.headers["X-Request-Id"]
+            events = [e for e in (await r.read()).decode().split("\n\n") if e]
+        assert events[0] == 'data: {"choices": [{"text": "a"}]}' and events[1] == 'data: {"choi'
+        assert events[-1] == "data: [DONE]"
+        check_proxy_error(502, json.loads(events[-2][6:]), rid, "decode", "mid-stream")
+
+    run_scenario([Fake("prefill")], [Dies("decode")], scenario)
+    assert any("failed mid-stream" in line and "http://127.0.0.1:" in line for line in proxy_log), proxy_log
+
+
+def test_request_deadline(proxy_log: list[str]) -> None:
+    d = Hanging("decode")
+
+    async def scenario(s: aiohttp.ClientSession, url: str) -> None:
+        async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+            assert r.status == 504
+            check_proxy_error(504, await r.json(), r.headers["X-Request-Id"], "0.5s")
+        await asyncio.wait_for(d.cancelled.wait(), 5)  # D's call was closed: it aborts the request
+        d.cancelled.clear()
+        async with s.post(url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+            assert r.status == 200  # already streaming when the deadline passed: vLLM's error event, then [DONE]
+            events = [e for e in (await r.read()).decode().split("\n\n") if e]
+            assert events[-1] == "data: [DONE]" and len(events) == 3
+            check_proxy_error(504, json.loads(events[1][6:]), r.headers["X-Request-Id"], "0.5s")
+        await asyncio.wait_for(d.cancelled.wait(), 5)
+        await _idle(s, url)
+
+    run_scenario([Fake("prefill")], [d], scenario, request_timeout_s=0.5)
+    deadline = [line for line in proxy_log if "--request-timeout" in line]
+    assert len(deadline) == 2 and "during decode on http://127.0.0.1:" in deadline[0], proxy_log
+
+
+def test_request_body_cap() -> None:
+    p = Fake("prefill")
+
+    async def scenario(s: aiohttp.ClientSession, url: str) -> None:
+        async with s.post(url + "/v1/completions", json={"prompt": "x" * 1800}) as r:
+            assert r.status == 200
+        async with s.post(url + "/v1/completions", json={"prompt": "x" * 5000}) as r:
+            assert r.status == 413
+            check_proxy_error(413, await r.json(), r.headers["X-Request-Id"], "2048 bytes")
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(3):
+                yield b"x" * 4096
+
+        async with s.post(url + "/v1/completions", data=chunks()) as r:  # chunked: no Content-Length
+            assert r.status == 413
+
+    run_scenario([p], [Fake("decode")], scenario, max_body_bytes=2048)
+    assert len(p.received) == 1
+
+
+def test_client_request_id_bounded_forwarded_and_returned(proxy_log: list[str]) -> None:
+    p, d = Fake("prefill"), Fake("decode")
+    returned: list[str] = []
+
+    async def scenario(s: aiohttp.ClientSession, url: str) -> None:
+        for rid in ("chatcmpl-Abc.1:2_3", "x" * 129, "id with spaces", "<script>", ""):
+            async with s.post(url + "/v1/completions", json={"prompt": "x"}, headers={"X-Request-Id": rid}) as r:
+                assert r.status == 200
+                returned.append(r.headers["X-Request-Id"])
+        async with s.get(url + "/v1/models", headers={"X-Request-Id": "m-1"}) as r:
+            assert r.headers["X-Request-Id"] == "m-1"
+
+    run_scenario([p], [d], scenario)
+    assert returned[0] == "chatcmpl-Abc.1:2_3"
+    assert all(r.startswith("lynx-") and len(r) == 37 for r in returned[1:]) and len(set(returned)) == 5
+    assert p.request_ids == d.request_ids == returned  # P and D see the proxy's correlation id
+    refused = [line for line in proxy_log if "X-Request-Id was not used" in line]
+    assert len(refused) == 4 and all(f"request {r}:" in line for r, line in zip(returned[1:], refused, strict=True))
+    assert "longer than 128" in refused[0] and "characters outside" in refused[1]
+
+
+def test_lynx_report_reaches_d_only_when_the_client_asks() -> None:
+    p, d = Fake("prefill"), Fake("decode")
+
+    async def scenario(s: aiohttp.ClientSession, url: str) -> None:
+        for params in ({"lynx_report": True, "lynx_mode": "int8"}, {"lynx_report": "yes"}, None):
+            async with s.post(url + "/v1/completions", json={"prompt": "x", "kv_transfer_params": params}) as r:
+                assert r.status == 200
+
+    run_scenario([p], [d], scenario)
+    assert d.received[0]["kv_transfer_params"] == {**P_PARAMS, "lynx_report": True}
+    assert d.received[1]["kv_transfer_params"] == d.received[2]["kv_transfer_params"] == P_PARAMS
+    assert "lynx_report" not in p.received[0]["kv_transfer_params"]
+    assert p.received[0]["kv_transfer_params"]["lynx_mode"] == "int8"

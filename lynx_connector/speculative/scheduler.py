@@ -50,6 +50,7 @@ from vllm.v1.core.sched.utils import check_stop
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.request import RequestStatus
 
+from lynx_connector.config import REPORT_KEY
 from lynx_connector.logger import init_logger
 from lynx_connector.scheduler import SpeculationPort, speculation_port
 from lynx_connector.speculative.confidence import ConfidenceGate
@@ -64,7 +65,8 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-#: Key of the per-request speculation counters added to the final output's kv_transfer_params.
+#: Key of the per-request speculation counters added to the final output's kv_transfer_params: only for requests
+#: that ask for them (``REPORT_KEY`` in their kv_transfer_params) or on a D with ``report_speculation``.
 SPEC_PARAMS_KEY = "lynx_speculation"
 
 
@@ -81,6 +83,7 @@ class LynxSpecScheduler(Scheduler):
         self._cap = self._lynx.max_speculative_tokens if self._lynx is not None else 0
         self._spec: dict[str, SpecState] = {}
         self._done: dict[str, dict[str, int]] = {}  # finished this step: counters for their final output
+        self._report_all = self._lynx is not None and self._lynx.report_speculation
         self._stats = LynxStats()
         self._gate = ConfidenceGate(self._lynx.speculative_min_margin if self._lynx is not None else 0.0,
                                     vllm_config.model_config.max_logprobs)
@@ -230,7 +233,9 @@ class LynxSpecScheduler(Scheduler):
 
     def _record(self, st: SpecState) -> None:
         self._stats.record_speculation(st.speculated, st.accepted, st.committed, st.stopped)
-        self._done[st.req_id] = st.summary()
+        req = self.requests.get(st.req_id)
+        if self._report_all or (req is not None and (req.kv_transfer_params or {}).get(REPORT_KEY) is True):
+            self._done[st.req_id] = st.summary()
         logger.info("Request %s: speculation %s", st.req_id, st.summary())
 
     def update_from_output(self, scheduler_output: SchedulerOutput,

@@ -68,3 +68,14 @@ def test_default_lease_covers_draining_a_full_pool_and_a_short_one_is_refused():
         LynxConfig.from_extra_config({"link_gbps": 0.007, "lease_s": 120}).transport_config(0, None, "p")
     small = LynxConfig.from_extra_config({"link_gbps": 0.007, "lease_s": 120, "staging_mb": 64})
     assert small.transport_config(0, None, "p").lease_s == 120.0
+
+
+@pytest.mark.parametrize("key", ["report_speculation", "insecure_side_channel"])
+def test_boolean_keys_parse_strings_and_refuse_others(key):
+    assert getattr(LynxConfig(), key) is False
+    assert getattr(LynxConfig.from_extra_config({key: "true"}), key) is True
+    assert getattr(LynxConfig.from_extra_config({key: False}), key) is False
+    with pytest.raises(LynxConfigError, match=key):
+        LynxConfig.from_extra_config({key: "maybe"})
+    with pytest.raises(LynxConfigError, match=key):
+        LynxConfig.from_extra_config({key: 1})

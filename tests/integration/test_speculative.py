@@ -67,13 +67,16 @@ def engines(model):
             e.close()
 
 
-def prefill(p, ids, mode, hooks=None):
+def prefill(p, ids, mode, hooks=None, report=True):
+    """P's params for D; ``report``: D is asked for the speculation summary (``lynx_report``)."""
     pre = p.generate(ids, [{"do_remote_decode": True, "lynx_mode": mode}] * len(ids), max_tokens=1)
     params = [dict(o["kv_transfer_params"]) for o in pre]
     assert all(pp.get("do_remote_prefill") and pp["lynx_mode"] == mode for pp in params), params
-    if hooks:
-        for pp in params:
+    for pp in params:
+        if hooks:
             pp["lynx_test_hooks"] = dict(hooks)
+        if report:
+            pp["lynx_report"] = True
     return params
 
 
@@ -219,6 +222,17 @@ def test_abort_while_speculating_releases_blocks_and_staging(engines, prompts):
     assert res["requests"] == [] and res["spec"] == [] and res["spec_pending"] == [] and res["worker_recvs"] == []
     assert res["free_blocks"] == res["free_before"]  # blocks were held until the worker confirmed, then freed
     assert res["staging_live"] in (0, None)
+
+
+def test_summary_reaches_only_requests_that_ask(engines, prompts):
+    """Without ``lynx_report`` a speculative request's kv_transfer_params are vLLM's null; with it, the summary."""
+    p, d = engines
+    ids = [prompts[0].token_ids]
+    quiet = d.generate(ids, prefill(p, ids, "speculative", {"delay_residual_steps": 2}, report=False), max_tokens=6)
+    asked = run(p, d, ids, "speculative", {"delay_residual_steps": 2}, max_tokens=6)
+    assert quiet[0]["token_ids"] == asked[0]["token_ids"]
+    assert quiet[0]["kv_transfer_params"] is None
+    assert counters(asked[0])["speculated"] >= 1
 
 
 def test_other_modes_on_a_speculative_decode_instance(engines, prompts):

@@ -41,9 +41,10 @@ def model_config(model_dir: str) -> Any:
 
 
 def make_scheduler(mc: Any, *, k: int = 4, cap: int = 6, margin: float = 0.0, policy: str = "fail",
-                   num_blocks: int = 200, spec: bool = True) -> Any:
+                   num_blocks: int = 200, spec: bool = True, report_all: bool = False) -> Any:
     """A ``LynxSpecScheduler`` on D (``kv_both``) with ``num_speculative_tokens`` k and ``max_speculative_tokens``
-    cap. ``spec=False``: no speculative config (the scheduler then serves speculative requests as full)."""
+    cap. ``spec=False``: no speculative config (the scheduler then serves speculative requests as full).
+    ``report_all``: ``report_speculation`` on (every request's summary is returned, asked for or not)."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -65,7 +66,8 @@ def make_scheduler(mc: Any, *, k: int = 4, cap: int = 6, margin: float = 0.0, po
     cc.num_gpu_blocks = num_blocks
     kv = KVTransferConfig(kv_connector="LynxConnector", kv_connector_module_path="lynx_connector.connector",
                           kv_role="kv_both", kv_load_failure_policy=policy,
-                          kv_connector_extra_config={"max_speculative_tokens": cap, "speculative_min_margin": margin})
+                          kv_connector_extra_config={"max_speculative_tokens": cap, "speculative_min_margin": margin,
+                                                     "report_speculation": report_all})
     sp = (SpeculativeConfig(method="custom_class", model=NULL_PROPOSER, num_speculative_tokens=k,
                             target_model_config=mc, target_parallel_config=ParallelConfig()) if spec else None)
     vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kv,
@@ -117,7 +119,8 @@ class Driver:
     def add(self, rid: str, prompt_len: int, anchor: list[int], full: list[int] | None = None, *,
             mode: str = "speculative", first_token: int | None = None, max_tokens: int = 32,
             temperature: float = 0.0, logprobs: int | None = None, ignore_eos: bool = True,
-            margins: dict[int, float] | None = None, remote: bool = True) -> Any:
+            margins: dict[int, float] | None = None, remote: bool = True, report: bool = True) -> Any:
+        """``report``: the request asks for its speculation summary (``lynx_report`` in its kv_transfer_params)."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
@@ -125,6 +128,8 @@ class Driver:
         if remote:
             params = RemotePrefill(transfer_id="a" * 32, token="b" * 32, engine_id="engine-p", request_id="p-" + rid, host="127.0.0.1", ports=(5555,),
                                    num_tokens=prompt_len, mode=mode, first_token=first_token).to_params()
+            if report:
+                params["lynx_report"] = True
             extra = {"kv_transfer_params": params}
         sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=logprobs, ignore_eos=ignore_eos,
                             seed=0 if temperature else None, extra_args=extra)

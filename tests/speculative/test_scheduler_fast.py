@@ -322,3 +322,20 @@ def test_without_speculative_config(drive):
     out = d.run_until_done("r")
     assert out.tokens == ANCHOR[:4] and out.speculation is None
     clean(d)
+
+
+def test_speculation_summary_only_when_asked_for(drive):
+    """The summary reaches a request that asks for it (``lynx_report``); the others get vLLM's null
+    kv_transfer_params, and the D-wide ``report_speculation`` returns it to every speculative request."""
+    outs = {}
+    for name, report, report_all in (("asked", True, False), ("quiet", False, False), ("server", False, True)):
+        d = drive(report_all=report_all)
+        d.add(name, 40, ANCHOR, FULL, max_tokens=6, report=report)
+        d.load(name)
+        hold(d, name, 2)
+        d.step(merged={name})
+        outs[name] = d.run_until_done(name)
+        assert outs[name].tokens == FULL[:6]
+        clean(d)
+    assert outs["asked"].speculation["speculated"] == 3 == outs["server"].speculation["speculated"]
+    assert outs["quiet"].kv_transfer_params is None

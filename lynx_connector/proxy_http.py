@@ -1,0 +1,89 @@
+"""The proxy's own HTTP answers: errors in vLLM's shape and the per-request correlation id.
+
+vLLM's OpenAI server answers errors with ``{"error": {"message", "type", "param", "code"}}`` (``ErrorResponse`` in
+``vllm/entrypoints/serve/engine/protocol.py``; its HTTP-level handlers use the status phrase as ``type``), as
+compact JSON, and inside a stream as ``data: {...}`` followed by ``data: [DONE]``. The errors the proxy itself
+produces (a P or D down or misbehaving, a deadline, an overload, a bad body) use the same shape: a generic
+message naming the side and ending with the correlation id, no URL, no exception text; the details go to the
+proxy's log under the same id. vLLM's own error bodies from P or D are not built here: they are relayed as they
+came (:class:`Passthrough`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from http import HTTPStatus
+from typing import Any
+
+from aiohttp import web
+
+REQUEST_ID_HEADER = "X-Request-Id"
+#: A client's X-Request-Id is kept when it is at most this long and made only of ``[A-Za-z0-9._:-]``.
+MAX_REQUEST_ID_LEN = 128
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]+")
+
+
+def correlation_id(client_id: str | None) -> tuple[str, str | None]:
+    """The request's correlation id: the client's ``X-Request-Id`` when it is bounded, else a fresh
+    ``lynx-<hex>``; and why the client's was not taken (None when it was, or when there was none)."""
+    if client_id is not None:
+        if len(client_id) > MAX_REQUEST_ID_LEN:
+            return _fresh_id(), f"longer than {MAX_REQUEST_ID_LEN} characters ({len(client_id)})"
+        if not _REQUEST_ID_RE.fullmatch(client_id):
+            return _fresh_id(), "characters outside [A-Za-z0-9._:-]" if client_id else "empty"
+        return client_id, None
+    return _fresh_id(), None
+
+
+def _fresh_id() -> str:
+    return f"lynx-{uuid.uuid4().hex}"
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": HTTPStatus(status).phrase, "param": None, "code": status}}
+
+
+def error_response(status: int, message: str, request_id: str) -> web.Response:
+    """A JSON error as vLLM's server writes one (compact separators); the message ends with the request id."""
+    body = json.dumps(error_body(status, f"{message} (request id: {request_id})"), ensure_ascii=False,
+                      separators=(",", ":"))
+    return web.Response(text=body, status=status, content_type="application/json")
+
+
+def stream_error_event(status: int, message: str, request_id: str) -> bytes:
+    """The end of a stream that failed after its first bytes: vLLM's error event, then ``[DONE]``."""
+    event = json.dumps(error_body(status, f"{message} (request id: {request_id})"))
+    return f"data: {event}\n\ndata: [DONE]\n\n".encode()
+
+
+class ProxyError(Exception):
+    """An answer the proxy produces itself: ``message`` goes to the client, ``detail`` to the log only."""
+
+    def __init__(self, status: int, message: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.message = message
+        self.detail = detail
+
+    def response(self, request_id: str) -> web.Response:
+        return error_response(self.status, self.message, request_id)
+
+
+class Passthrough(Exception):
+    """A P or D error answer (4xx) relayed to the client unchanged: status, body bytes and content type."""
+
+    def __init__(self, side: str, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"{side} answered HTTP {status}")
+        self.side = side
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+    def response(self) -> web.Response:
+        return web.Response(body=self.body, status=self.status, headers={"Content-Type": self.content_type})
+
+
+class ClientGone(Exception):
+    """The client closed its connection while the proxy was writing to it."""
