@@ -181,6 +181,14 @@ async def _prefill(state: _State, url: str, request: web.Request, body: dict[str
             "(e.g. --kv-transfer-config lynx)?",
             "prefill_error",
         )
+    error = params.get("lynx_error")
+    if isinstance(error, dict) and not params.get("do_remote_prefill"):
+        # P refused the request's Lynx parameters (e.g. a lynx_mode the operator does not allow): the client's
+        # fault, answered with P's status (400) and message
+        code = error.get("code")
+        raise UpstreamError(code if isinstance(code, int) and 400 <= code < 500 else 400,
+                            f"prefill server {url}: {str(error.get('message', 'request refused'))[:500]}",
+                            "invalid_request_error")
     logger.debug("request %s prefilled on %s: kv_transfer_params=%s", request_id, url, params)
     return params
 
