@@ -220,6 +220,17 @@ def test_prefill_without_kv_transfer_params() -> None:
     assert d.received == []
 
 
+def test_prefill_refusing_the_clients_lynx_params_is_a_400_and_d_is_not_called() -> None:
+    """P's scheduler half refuses a lynx_mode the operator does not allow (issue 14.6): its response carries a
+    lynx_error instead of remote-prefill params; the proxy answers the client with it."""
+    d = Fake("decode")
+    err = {"message": "lynx_mode 'int4' is not allowed on this deployment (allowed_modes: full, speculative, bf16)",
+           "type": "BadRequestError", "param": "kv_transfer_params.lynx_mode", "code": 400}
+    run_scenario([Fake("prefill", kv_params={"lynx_error": err})], [d],
+                 _expect_error(400, "prefill", "int4", "allowed_modes"))
+    assert d.received == []
+
+
 def test_upstream_errors() -> None:
     run_scenario([Fake("prefill", status=500)], [Fake("decode")], _expect_error(502, "prefill", "500"))
     run_scenario([Fake("prefill")], [Fake("decode", status=500)], _expect_error(502, "decode", "500"))
