@@ -301,3 +301,20 @@ def test_lossy_loads_get_private_block_hashes(mode, fenced):
         assert all(a != b and len(a) == len(b) for a, b in zip(r.block_hashes[2:], before[2:], strict=True))
     else:
         assert r.block_hashes == before
+
+
+def test_insecure_deployments_sign_with_the_empty_key(monkeypatch):
+    monkeypatch.delenv("LYNX_SIDE_CHANNEL_KEY")
+    p, mgr = make_sched(insecure_side_channel=True)
+    r = req("p-i", 64, {"do_remote_decode": True})
+    mgr.blocks["p-i"] = [1, 2]
+    p.update_state_after_alloc(r, FakeBlocks([1, 2]), 0)
+    p.build_connector_meta(sched_out(**{"p-i": 64}))
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = p.request_finished(r, [1, 2])
+    ParamsSigner(None, 60).verify(params)  # the empty key: forgeable by anyone (docs: local tests only)
+    d, _ = make_sched(insecure_side_channel=True)
+    assert d.get_num_new_matched_tokens(req("d-i", 64, dict(params)), 0) == (64, True)
+    monkeypatch.setenv("LYNX_SIDE_CHANNEL_KEY", "ab" * 32)
+    secure, _ = make_sched()  # a keyed D refuses what an insecure P signed
+    _refused_locally(secure, req("d-i2", 64, dict(params)), "bad_signature")
