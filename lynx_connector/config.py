@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lynx_connector.logger import init_logger
-from lynx_connector.modes import DEFAULT_MODE, MODE_NAMES, get_mode, is_mode
+from lynx_connector.modes import DEFAULT_MODE, MODE_NAMES, default_allowed_modes, get_mode, is_mode
 from lynx_connector.testing import FAULT_INJECTIONS
 
 if TYPE_CHECKING:
@@ -76,6 +76,21 @@ def _as_int(key: str, value: Any, *, minimum: int, maximum: int | None = None) -
     return out
 
 
+def _as_modes(key: str, value: Any) -> tuple[str, ...]:
+    """Mode names from a list or a comma-separated string (``all``: every mode); validated by LynxConfig."""
+    if isinstance(value, str):
+        items = [v for v in (x.strip().lower() for x in value.split(",")) if v]
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        items = [v.strip().lower() for v in value]
+    else:
+        raise LynxConfigError(f"{key}: expected a list of mode names or a comma-separated string, got {value!r}")
+    if items == ["all"]:
+        return MODE_NAMES
+    if not items:
+        raise LynxConfigError(f"{key}: must name at least one mode (or all); omit it for the default")
+    return tuple(dict.fromkeys(items))
+
+
 @dataclass(frozen=True)
 class LynxConfig:
     """Resolved connector configuration (see docs/OPERATIONS.md for the table of keys)."""
@@ -119,10 +134,29 @@ class LynxConfig:
     #: Run the side channel without the deployment key (LYNX_SIDE_CHANNEL_KEY_FILE / LYNX_SIDE_CHANNEL_KEY):
     #: unauthenticated, anyone who reaches P's port can read staged KV. Local tests only; logged as a warning.
     insecure_side_channel: bool = False
+    #: The transfer modes a request may ask for (``lynx_mode``): mode names (a list, or a comma-separated
+    #: string; ``all`` = every mode). Empty = the full-precision modes (full, speculative, bf16) plus ``mode``.
+    #: P refuses a request for another mode (400 through the proxy); D refuses params naming one.
+    allowed_modes: tuple[str, ...] = ()
+    #: How long the kv_transfer_params P signs stay valid for D, seconds; null = P's lease (``lease_s`` as
+    #: resolved: P frees an unread request's staging by then anyway). P's and D's clocks must agree well within it.
+    params_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         if not is_mode(self.mode):
             raise LynxConfigError(f"mode: expected one of {', '.join(MODE_NAMES)}, got {self.mode!r}")
+        if not self.allowed_modes:
+            default = default_allowed_modes()
+            allowed = default if self.mode in default else (*default, self.mode)
+            object.__setattr__(self, "allowed_modes", allowed)
+        else:
+            bad = [m for m in self.allowed_modes if not is_mode(m)]
+            if bad:
+                raise LynxConfigError(f"allowed_modes: {bad} are not transfer modes (valid: {', '.join(MODE_NAMES)}"
+                                      ", or all)")
+            if self.mode not in self.allowed_modes:
+                raise LynxConfigError(f"allowed_modes {list(self.allowed_modes)} must include the instance's own "
+                                      f"mode {self.mode!r}")
         if self.window_bytes < self.chunk_bytes:
             raise LynxConfigError(
                 f"window_bytes ({self.window_bytes}) must be >= chunk_bytes ({self.chunk_bytes})"
@@ -132,6 +166,17 @@ class LynxConfig:
                                   f"got {self.fault_injection!r}")
         if not isinstance(self.codec_options, Mapping):
             raise LynxConfigError(f"codec_options: expected a mapping, got {self.codec_options!r}")
+
+    @property
+    def signed_params_ttl_s(self) -> float:
+        """How long signed kv_transfer_params stay valid (``params_ttl_s``; default: P's effective lease, the
+        ``lease_s`` the transport runs with, which P keeps an unread request's staging for)."""
+        if self.params_ttl_s is not None:
+            return self.params_ttl_s
+        return self.transport_config(0, None, "params").lease_s
+
+    def mode_allowed(self, mode: str) -> bool:
+        return mode in self.allowed_modes
 
     @property
     def two_stream(self) -> bool:
@@ -179,6 +224,10 @@ class LynxConfig:
         for key in ("insecure_side_channel", "report_speculation"):
             if key in extra:
                 kw[key] = _as_bool(key, extra[key])
+        if "allowed_modes" in extra:
+            kw["allowed_modes"] = _as_modes("allowed_modes", extra["allowed_modes"])
+        if "params_ttl_s" in extra:
+            kw["params_ttl_s"] = _as_float("params_ttl_s", extra["params_ttl_s"], minimum=1.0, allow_none=True)
         if "fault_injection" in extra:
             fi = extra["fault_injection"]
             kw["fault_injection"] = None if fi in (None, "", "none") else str(fi)

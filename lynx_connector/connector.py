@@ -124,9 +124,11 @@ class LynxConnector(KVConnectorBase_V1):
         return self._worker().take_worker_meta()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self.connector_worker is None:
+        # vLLM asks both halves: the workers' transfer counters, the scheduler half's refused params
+        half = self.connector_worker or self.connector_scheduler
+        if half is None:
             return None
-        stats = self.connector_worker.stats
+        stats = half.stats
         return None if stats.is_empty() else stats.clone_and_reset()
 
     def shutdown(self) -> None:

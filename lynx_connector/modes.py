@@ -11,12 +11,15 @@ single-stream codec (the baselines) puts everything in the anchor plane and has 
 encodes the planes its codec has; the mode decides what D pulls and when it decodes.
 
 Prefix cache: vLLM caches a request's loaded blocks under the prompt's token hashes once the load is reported
-finished (``cache_blocks`` in ``_update_waiting_for_remote_kv``), when prefix caching is on. The connector does
-not mark blocks by precision, so the blocks of a lossy mode (``anchor`` and the quantized baselines) are shared
-with a later request on the same prefix whatever mode that one asks for: serve one mode per D (what the lab's
-launcher and the benches do, with prefix caching off) when modes must not mix. ``speculative`` is the exception:
-its scheduler turns prefix caching off for the whole decode instance (a rewind invalidates held tokens' block
-hashes), so nothing it decodes is cached.
+finished (``cache_blocks`` in ``_update_waiting_for_remote_kv``, and again as the request runs), when prefix caching
+is on. D enters loaded blocks into its prefix cache only for the modes whose KV is at full precision when the
+request is reported ready (:attr:`TransferMode.prefix_cached`: ``full`` and ``bf16``); for every other mode the
+scheduler half gives the request's blocks private hashes (``lynx_connector/prefix_cache.py``), so no later request
+is served from lossy KV. ``speculative`` reports its request ready on the anchor (lossy) and merges the residual
+later, so its blocks are never cached either (its scheduler also turns prefix caching off on the instance).
+
+Allowed modes: which modes a client may ask for is an operator setting (``allowed_modes``); the default is
+:func:`default_allowed_modes`, the full-precision modes (lossless, or Lynx with both planes merged).
 """
 
 from __future__ import annotations
@@ -60,8 +63,6 @@ class TransferMode:
     decode_after: str
     #: When the first client-visible token may be released: RELEASE_ON_ANCHOR or RELEASE_WITH_KV.
     first_token_after: str
-    #: Whether D's prefix cache may keep the blocks (see the module docstring: lossy blocks are not told apart).
-    prefix_cached: bool
     #: Whether D's blocks end up bit-identical to P's (the cache dtype's bytes).
     lossless: bool
     #: Whether D needs the Lynx speculative scheduler (``--scheduler-cls``; the ``lynx:speculative`` preset).
@@ -82,6 +83,17 @@ class TransferMode:
     def decodes_on_anchor(self) -> bool:
         """D writes the KV (and the request runs) as soon as the anchor plane has landed."""
         return self.decode_after == AFTER_ANCHOR
+
+    @property
+    def full_precision(self) -> bool:
+        """D's blocks end at full precision: lossless, or both Lynx planes merged (error <= s/32)."""
+        return self.lossless or (self.two_stream and self.pulls_residual)
+
+    @property
+    def prefix_cached(self) -> bool:
+        """D enters the blocks it loaded into its prefix cache: only when they are at full precision the moment
+        the request is reported ready (a late residual reports it on the anchor; see the module docstring)."""
+        return self.full_precision and not self.late_residual
 
     @property
     def late_residual(self) -> bool:
@@ -116,16 +128,16 @@ class TransferMode:
 
 
 def _lynx(name: str, planes: tuple[str, ...], decode_after: str, summary: str, *, label: str,
-          first_token_after: str = RELEASE_WITH_KV, prefix_cached: bool = True, needs_spec_scheduler: bool = False,
+          first_token_after: str = RELEASE_WITH_KV, needs_spec_scheduler: bool = False,
           fallback: str | None = None) -> TransferMode:
     return TransferMode(name=name, codec=LYNX_CODEC, two_stream=True, planes=planes, decode_after=decode_after,
-                        first_token_after=first_token_after, prefix_cached=prefix_cached, lossless=False,
+                        first_token_after=first_token_after, lossless=False,
                         needs_spec_scheduler=needs_spec_scheduler, fallback=fallback, summary=summary, label=label)
 
 
 def _baseline(codec: str, summary: str, lossless: bool = False, label: str | None = None) -> TransferMode:
     return TransferMode(name=codec, codec=codec, two_stream=False, planes=(ANCHOR,), decode_after=AFTER_ANCHOR,
-                        first_token_after=RELEASE_WITH_KV, prefix_cached=True, lossless=lossless,
+                        first_token_after=RELEASE_WITH_KV, lossless=lossless,
                         needs_spec_scheduler=False, fallback=None, summary=summary, label=label or codec)
 
 
@@ -138,7 +150,7 @@ MODES: tuple[TransferMode, ...] = (
     _lynx("speculative", (ANCHOR, RESIDUAL), AFTER_ANCHOR,
           "decodes on the anchor, holds those tokens, verifies them in one pass when the residual lands "
           "(outputs equal full's)",
-          first_token_after=RELEASE_ON_ANCHOR, prefix_cached=False, needs_spec_scheduler=True, fallback="full",
+          first_token_after=RELEASE_ON_ANCHOR, needs_spec_scheduler=True, fallback="full",
           label="lynx speculative"),
     _baseline("bf16", "single-stream passthrough of the cache dtype's bytes", lossless=True),
     _baseline("fp8", "single-stream baseline: fp8 e4m3 with a per-(token, head) scale"),
@@ -169,6 +181,12 @@ def get_mode(name: str) -> TransferMode:
         raise UnknownModeError(f"unknown transfer mode {name!r}; valid modes: {', '.join(MODE_NAMES)}") from None
 
 
+def default_allowed_modes() -> tuple[str, ...]:
+    """The modes clients may ask for when the operator sets no ``allowed_modes``: the full-precision ones
+    (lossless, or Lynx with both planes: ``full``, ``speculative``, ``bf16``), in table order."""
+    return tuple(m.name for m in MODES if m.full_precision)
+
+
 def preset_modes() -> tuple[str, ...]:
     """The modes ``--kv-transfer-config lynx:<mode>`` accepts: every mode of the table (``lynx:int4_kivi``
     included, which the hand-written preset list once missed)."""
@@ -191,15 +209,17 @@ def modes_table() -> str:
     import torch
 
     rows = ["| mode | codec | D pulls | D decodes after | first token released | D's prefix cache keeps blocks "
-            "| lossless | needs the speculative scheduler | wire bits/value (bf16 cache) | what D does |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| lossless | allowed by default | needs the speculative scheduler | wire bits/value (bf16 cache) "
+            "| what D does |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    allowed = default_allowed_modes()
     for m in MODES:
         bits = m.bits_per_value(1024, 8, 128, torch.bfloat16)
         after = "anchor" if m.decodes_on_anchor else "anchor + residual"
         first = "on the anchor (P's token)" if m.first_token_after == RELEASE_ON_ANCHOR else "with the KV"
-        cached = "yes" if m.prefix_cached else "no (prefix caching off on the instance)"
+        cached = "yes" if m.prefix_cached else "no"
         needs = "yes" if m.needs_spec_scheduler else "no"
         fallback = f"; served as `{m.fallback}` without it" if m.fallback else ""
         rows.append(f"| `{m.name}` | `{m.codec}` | {' + '.join(m.planes)} | {after} | {first} | {cached} "
-                    f"| {'yes' if m.lossless else 'no'} | {needs}{fallback} | {bits:.4g} | {m.summary} |")
+                    f"| {'yes' if m.lossless else 'no'} | {'yes' if m.name in allowed else 'no'} | {needs}{fallback} | {bits:.4g} | {m.summary} |")
     return "\n".join(rows)

@@ -142,6 +142,13 @@ async def prefill(session: aiohttp.ClientSession, call: Call, url: str, request:
         raise ProxyError(502, "prefill server returned no kv_transfer_params",
                          f"prefill server {url} returned no kv_transfer_params; is it running with a KV connector "
                          "(e.g. --kv-transfer-config lynx)?")
+    error = params.get("lynx_error")
+    if isinstance(error, dict) and not params.get("do_remote_prefill"):
+        # P refused the request's Lynx parameters (e.g. a lynx_mode the operator does not allow): the client's
+        # fault, in vLLM's error fields, relayed as vLLM would answer it
+        code = error.get("code")
+        status = code if isinstance(code, int) and 400 <= code < 500 else 400
+        raise Passthrough("prefill", status, json.dumps({"error": error}).encode(), "application/json")
     logger.debug("request %s prefilled on %s: kv_transfer_params=%s", call.request_id, url, params)
     return params
 

@@ -38,7 +38,18 @@ from lynx_connector.metadata import (
     mint_ticket,
 )
 from lynx_connector.modes import MODE_NAMES, get_mode, is_mode
+from lynx_connector.prefix_cache import fence_lossy_blocks
+from lynx_connector.signing import (
+    PROMPT_KEY,
+    ParamsRefused,
+    ParamsSigner,
+    RefusalLog,
+    check_prompt,
+    prompt_digest,
+)
+from lynx_connector.stats import LynxStats
 from lynx_connector.testing import fault_hooks
+from lynx_connector.transport.keys import load_side_channel_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -83,6 +94,18 @@ class LynxConnectorScheduler:
         self.spec_first_token: dict[str, int] = {}
         self._faults = fault_hooks(config)  # test-only (lynx_connector.testing)
         self._warned_no_spec = False
+        # Signed kv_transfer_params (lynx_connector/signing.py): P signs what it returns, D accepts only what
+        # verifies. The deployment key is read here once for this process (the workers read it for the
+        # transport); a missing or bad key fails start-up like the workers' (insecure: the empty key signs).
+        self._signer = ParamsSigner(load_side_channel_key(insecure=config.insecure_side_channel),
+                                    config.signed_params_ttl_s)
+        self._refusal_log = RefusalLog()
+        # D: params verified by get_num_new_matched_tokens, used by update_state_after_alloc.
+        self._verified: dict[str, RemotePrefill] = {}
+        # P and D: the error a refused request reports in its response's kv_transfer_params ("lynx_error").
+        self._refused: dict[str, dict[str, Any]] = {}
+        #: Scheduler-side counters (refused params), exported with the workers' (LynxConnector).
+        self.stats = LynxStats()
 
     # ---- start-up -------------------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
@@ -98,30 +121,61 @@ class LynxConnectorScheduler:
         logger.info("LynxConnector: side channel of this engine at %s ports %s",
                     self._side_channel_host, self._side_channel_ports)
 
-    def _request_mode(self, req_id: str, params: dict[str, Any]) -> str:
+    def _request_mode(self, req_id: str, params: dict[str, Any]) -> str | None:
         """A request may ask for its own transfer mode (``lynx_mode`` in kv_transfer_params), so one P/D pair
-        can serve and compare every scheme; otherwise the configured mode applies."""
+        can serve and compare every scheme; otherwise the configured mode applies. An unknown mode or one the
+        operator does not allow (``allowed_modes``) is refused: None, and the request's response carries a
+        400-style ``lynx_error`` instead of remote-prefill params (the proxy answers the client with it)."""
         mode = params.get("lynx_mode")
         if mode is None:
             return self.config.mode
         if not is_mode(mode):
-            logger.warning("Request %s asks for unknown lynx_mode %r (known: %s); using %s",
-                           req_id, mode, ", ".join(MODE_NAMES), self.config.mode)
-            return self.config.mode
-        return mode
+            message = f"lynx_mode {str(mode)[:64]!r} is not a transfer mode (known: {', '.join(MODE_NAMES)})"
+        elif not self.config.mode_allowed(mode):
+            message = (f"lynx_mode {mode!r} is not allowed on this deployment (allowed_modes: "
+                       f"{', '.join(self.config.allowed_modes)})")
+        else:
+            return mode
+        self._refused[req_id] = {"message": message, "type": "BadRequestError",
+                                 "param": "kv_transfer_params.lynx_mode", "code": 400}
+        self.stats.record_refusal("mode_not_allowed")
+        self._refusal_log.warn(req_id, ParamsRefused("mode_not_allowed", message), what="lynx_mode",
+                               outcome="not staged, its response carries the error")
+        return None
 
     # ---- D: loading -----------------------------------------------------------------------------------
     def _remote_prefill(self, request: Request) -> RemotePrefill | None:
+        """The request's remote-prefill params once verified (signature, expiry, shape, allowed mode, prompt),
+        None when it has none or they are refused: then its prompt is computed locally, the refusal is counted,
+        logged (rate-limited) and reported in its response (``lynx_error``), and nothing is pulled."""
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return None
+        req_id = request.request_id
+        remote = self._verified.get(req_id)
+        if remote is not None:
+            return remote
         try:
-            return RemotePrefill.from_params(params)
-        except InvalidTransferParams as exc:
-            logger.warning("Request %s: unusable kv_transfer_params (%s); computing its prompt locally",
-                           request.request_id, exc)
+            self._signer.verify(params)  # before anything else is read
+            try:
+                remote = RemotePrefill.from_params(params)
+            except InvalidTransferParams as exc:
+                raise ParamsRefused("malformed", f"unusable kv_transfer_params: {exc}") from None
+            if not self.config.mode_allowed(remote.mode):
+                allowed = ", ".join(self.config.allowed_modes)
+                raise ParamsRefused("mode_not_allowed", f"lynx_mode {remote.mode!r} is not allowed on this decode "
+                                                        f"instance (allowed_modes: {allowed})")
+            check_prompt(params, getattr(request, "prompt_token_ids", None), remote.num_tokens)
+        except ParamsRefused as exc:
             params["do_remote_prefill"] = False
+            self._refused[req_id] = {"message": f"remote-prefill params refused ({exc.reason}): {exc}; the prompt "
+                                                "was computed locally", "type": "lynx_params_refused",
+                                     "reason": exc.reason}
+            self.stats.record_refusal(exc.reason)
+            self._refusal_log.warn(req_id, exc)
             return None
+        self._verified[req_id] = remote
+        return remote
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         remote = self._remote_prefill(request)
@@ -136,12 +190,15 @@ class LynxConnectorScheduler:
         if not params:
             return
         if params.get("do_remote_decode"):
-            self._save_tracked[request.request_id] = request
-            self._save_mode[request.request_id] = self._request_mode(request.request_id, params)
+            mode = self._request_mode(request.request_id, params)
+            if mode is not None:
+                self._save_tracked[request.request_id] = request
+                self._save_mode[request.request_id] = mode
             return
         remote = self._remote_prefill(request)
         if remote is None:
             return
+        self._verified.pop(request.request_id, None)
         # One transfer per request, even if it is preempted and rescheduled later (then it recomputes).
         params["do_remote_prefill"] = False
         local_hit = self._local_hits.pop(request.request_id, 0)
@@ -163,6 +220,8 @@ class LynxConnectorScheduler:
         )
         self._recv_pending.append(spec)
         if num_tokens:
+            if not get_mode(mode).prefix_cached:  # lossy KV: never a prefix-cache hit for a later request
+                fence_lossy_blocks(request, local_hit, self._kv_cache_manager, self.block_size)
             self._recv_inflight.add(request.request_id)
             if get_mode(mode).late_residual:
                 self.spec_pending.add(request.request_id)
@@ -260,6 +319,8 @@ class LynxConnectorScheduler:
 
         req_id = request.request_id
         self._local_hits.pop(req_id, None)
+        self._verified.pop(req_id, None)
+        error = self._refused.pop(req_id, None)
         self.residual_merged.discard(req_id)
         self.residual_failed.discard(req_id)
         self.spec_first_token.pop(req_id, None)
@@ -272,7 +333,7 @@ class LynxConnectorScheduler:
             self._recv_aborted.append(req_id)
             return True, None
         if self._save_tracked.pop(req_id, None) is None:
-            return False, None
+            return False, (None if error is None else {"lynx_error": error})
         mode = self._save_mode.pop(req_id, self.config.mode)
         saved = req_id in self._saved
         self._saved.discard(req_id)
@@ -303,7 +364,11 @@ class LynxConnectorScheduler:
             token=ticket[1] if ticket else "",
             first_token=request.output_token_ids[0] if request.num_output_tokens else None,
         )
-        return True, remote.to_params()
+        params = remote.to_params()
+        ids = getattr(request, "prompt_token_ids", None)
+        if ids is not None:
+            params[PROMPT_KEY] = prompt_digest(ids[: request.num_prompt_tokens])
+        return True, self._signer.sign(params)
 
 
 class SpeculationPort:

@@ -13,6 +13,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from lynx_connector.signing import REFUSAL_REASONS
+
 _LIST_KEYS = ("anchor_bytes", "anchor_s", "residual_bytes", "residual_s", "request_s",
               "encode_anchor_bytes", "encode_residual_bytes", "encode_s",
               "spec_drafted", "spec_accepted", "spec_early", "spec_stop_low_margin",
@@ -22,6 +24,8 @@ _LIST_KEYS = ("anchor_bytes", "anchor_s", "residual_bytes", "residual_s", "reque
 #: P's pool, P's KV not finite, P could not encode it.
 FAILURE_REASONS = ("load", "integrity", "stage", "too_large", "nonfinite", "encode")
 _COUNT_KEYS = tuple(f"failed_{r}" for r in FAILURE_REASONS)
+#: Refused kv_transfer_params by reason (the scheduler half: lynx_connector/signing.py); not transfer failures.
+_REFUSED_KEYS = tuple(f"refused_{r}" for r in REFUSAL_REASONS)
 #: Transport counters exported as ``vllm:lynx_side_channel_events{side, event}``: P's (source) and D's (sink)
 #: names as in their ``stats()``.
 SIDE_CHANNEL_EVENTS = {
@@ -35,7 +39,7 @@ STAGING_STATES = ("capacity", "used", "quarantined")
 
 def _empty() -> dict[str, Any]:
     data: dict[str, Any] = {k: [] for k in _LIST_KEYS}
-    data.update({k: 0 for k in _COUNT_KEYS})
+    data.update({k: 0 for k in _COUNT_KEYS + _REFUSED_KEYS})
     data["events"] = []  # [side, event, increment]
     data["gauges"] = []  # [side, rank, state, bytes]
     return data
@@ -64,6 +68,10 @@ class LynxStats(KVConnectorStats):
         """One failed request, by a reason of `FAILURE_REASONS`."""
         self.data[f"failed_{reason}"] += 1
 
+    def record_refusal(self, reason: str) -> None:
+        """Refused kv_transfer_params (scheduler half): ``reason`` one of signing.REFUSAL_REASONS."""
+        self.data[f"refused_{reason}"] += 1
+
     def record_speculation(self, drafted: int, accepted: int, early: int = 0, stopped: str | None = None) -> None:
         """One speculative request: tokens decoded on the anchor and held, how many verification accepted,
         ``early`` tokens released on the anchor (P's full-precision first token), and why decoding on the
@@ -85,12 +93,12 @@ class LynxStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data[k] for k in (*_LIST_KEYS, "events", "gauges")) and not any(
-            self.data[k] for k in _COUNT_KEYS)
+            self.data[k] for k in _COUNT_KEYS + _REFUSED_KEYS)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k in (*_LIST_KEYS, "events", "gauges"):
             self.data[k].extend(other.data.get(k, []))
-        for k in _COUNT_KEYS:
+        for k in _COUNT_KEYS + _REFUSED_KEYS:
             self.data[k] += int(other.data.get(k, 0))
         return self
 
@@ -113,6 +121,9 @@ class LynxStats(KVConnectorStats):
             "Avg encode (ms)": avg_ms("encode_s"),
             "Num failed": sum(d[k] for k in _COUNT_KEYS),
         }
+        refused = sum(d[k] for k in _REFUSED_KEYS)
+        if refused:
+            out["Refused params"] = refused
         for side, event, n in d["events"]:
             key = f"Side channel {side.upper()} {event}"
             out[key] = out.get(key, 0) + int(n)
@@ -167,6 +178,12 @@ class LynxPromMetrics(KVConnectorPromMetrics):
                                                         "first_token_mismatch (D's first token is not P's).",
                                           labelnames=labelnames + ["reason"])
 
+        self._refused = self._counter_cls(name="vllm:lynx_refused_params",
+                                          documentation="kv_transfer_params refused by the scheduler half: "
+                                                        "unsigned, bad_signature, expired, malformed, "
+                                                        "mode_not_allowed, prompt_mismatch.",
+                                          labelnames=labelnames + ["reason"])
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
         for stream in ("anchor", "residual"):
@@ -196,6 +213,10 @@ class LynxPromMetrics(KVConnectorPromMetrics):
             n = sum(transfer_stats_data.get(f"spec_stop_{reason}", []))
             if n:
                 self._stopped.labels(*labels, reason).inc(n)
+        for reason in REFUSAL_REASONS:
+            n = int(transfer_stats_data.get(f"refused_{reason}", 0))
+            if n:
+                self._refused.labels(*labels, reason).inc(n)
 
 
 class TransportExporter:

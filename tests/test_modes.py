@@ -41,10 +41,21 @@ def test_rows_are_consistent():
         if m.needs_spec_scheduler:
             assert m.fallback is not None and not get_mode(m.fallback).needs_spec_scheduler, m
             assert get_mode(m.fallback).planes == m.planes, m  # the pull is the same, D just waits
-            assert not m.prefix_cached, m  # LynxSpecScheduler turns prefix caching off for the instance
+            assert not m.prefix_cached, m  # reported ready on the (lossy) anchor
         else:
-            assert m.fallback is None and m.prefix_cached, m
+            assert m.fallback is None, m
+        if m.prefix_cached:  # D's prefix cache keeps only blocks at full precision when the request is ready
+            assert m.full_precision and not m.late_residual, m
         assert m.summary, m
+
+
+def test_lossy_modes_stay_out_of_the_prefix_cache_and_are_not_allowed_by_default():
+    """Issue 14.6: blocks loaded in a lossy mode never enter D's prefix cache; clients may ask only for the
+    full-precision modes unless the operator allows more."""
+    assert {m.name for m in MODES if m.prefix_cached} == {"full", "bf16"}
+    assert set(modes.default_allowed_modes()) == {"full", "speculative", "bf16"}
+    for name in ("anchor", "fp8", "int8", "int4", "int4_kivi"):
+        assert not get_mode(name).full_precision and not get_mode(name).prefix_cached, name
 
 
 def test_what_each_mode_does():

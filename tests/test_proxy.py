@@ -293,6 +293,23 @@ def test_vllm_4xx_bodies_pass_through_byte_identical(side: str, status: int) -> 
     assert d.received == [] if side == "prefill" else len(d.received) == 2
 
 
+def test_prefill_refusing_the_clients_lynx_params_is_relayed_as_vllms_400_and_d_is_not_called() -> None:
+    """P's scheduler half refuses a lynx_mode the operator does not allow (issue 14.6): its response carries a
+    lynx_error (vLLM's error fields) instead of remote-prefill params; the proxy answers the client with it, in
+    vLLM's error shape and status, and never calls D."""
+    d = Fake("decode")
+    err = {"message": "lynx_mode 'int4' is not allowed on this deployment (allowed_modes: full, speculative, bf16)",
+           "type": "BadRequestError", "param": "kv_transfer_params.lynx_mode", "code": 400}
+
+    async def scenario(s: aiohttp.ClientSession, url: str) -> None:
+        async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+            assert r.status == 400
+            assert await r.json() == {"error": err}
+
+    run_scenario([Fake("prefill", kv_params={"lynx_error": err})], [d], scenario)
+    assert d.received == []
+
+
 def test_bad_json_body() -> None:
     async def scenario(s: aiohttp.ClientSession, url: str) -> None:
         async with s.post(url + "/v1/completions", data=b"{not json") as r:

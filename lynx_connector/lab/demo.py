@@ -66,8 +66,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="lynx-demo-"))
     # Both servers get the speculative preset (it adds the Lynx scheduler and the null proposer); each
     # request then names its own transfer mode, so one P/D pair serves every scheme of the comparison.
+    # (the lossy baselines of the comparison are allowed explicitly: a deployment's default is full precision)
     kv_cfg = json.dumps({"kv_connector": "lynx:speculative",
-                         "kv_connector_extra_config": {"link_gbps": args.link_gbps}})
+                         "kv_connector_extra_config": {"link_gbps": args.link_gbps, "allowed_modes": "all"}})
     _write(f"Lynx 1P1D demo: SmolLM2-135M-Instruct (fp32, CPU), link paced to {args.link_gbps} Gbit/s, "
            f"modes {', '.join(modes)}; server logs in {log_dir}")
     _write("Starting prefill, decode and proxy servers (about a minute on 2 cores)...")

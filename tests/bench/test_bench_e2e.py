@@ -159,7 +159,7 @@ def test_ideal_at_concurrency_one_is_per_request() -> None:
 
 def test_kv_config_carries_the_gate_only_when_given() -> None:
     plain = json.loads(e2e.kv_config(0.5))["kv_connector_extra_config"]
-    assert plain == {"mode": "full", "link_gbps": 0.5}
+    assert plain == {"mode": "full", "link_gbps": 0.5, "allowed_modes": "all"}  # the bench compares every mode
     off = json.loads(e2e.kv_config(None, 0.0))["kv_connector_extra_config"]
     assert off["speculative_min_margin"] == 0.0 and off["link_gbps"] is None
 

@@ -33,6 +33,11 @@ def test_strings_are_parsed_as_numbers():
     ({"codec_options": [1, 2]}, "codec_options"),
     ({"speculative_min_margin": -0.1}, "speculative_min_margin"),
     ({"speculative_min_margin": "inf"}, "speculative_min_margin"),
+    ({"allowed_modes": "full,int3"}, "allowed_modes"),
+    ({"allowed_modes": ""}, "allowed_modes"),
+    ({"allowed_modes": 3}, "allowed_modes"),
+    ({"allowed_modes": ["int4"]}, "allowed_modes"),  # must include the instance's own mode (full)
+    ({"params_ttl_s": 0.5}, "params_ttl_s"),
 ])
 def test_bad_values_name_the_key(extra, key):
     with pytest.raises(LynxConfigError, match=key):
@@ -79,3 +84,23 @@ def test_boolean_keys_parse_strings_and_refuse_others(key):
         LynxConfig.from_extra_config({key: "maybe"})
     with pytest.raises(LynxConfigError, match=key):
         LynxConfig.from_extra_config({key: 1})
+
+
+def test_allowed_modes():
+    from lynx_connector.modes import MODE_NAMES
+
+    assert LynxConfig.from_extra_config({}).allowed_modes == ("full", "speculative", "bf16")
+    # the instance's own mode is allowed by default too (the operator chose it)
+    assert LynxConfig.from_extra_config({"mode": "int4"}).allowed_modes == ("full", "speculative", "bf16", "int4")
+    assert LynxConfig.from_extra_config({"allowed_modes": " FULL, int8 ,full"}).allowed_modes == ("full", "int8")
+    assert LynxConfig.from_extra_config({"allowed_modes": ["full", "anchor"]}).mode_allowed("anchor")
+    assert LynxConfig.from_extra_config({"allowed_modes": "all"}).allowed_modes == MODE_NAMES
+    assert not LynxConfig.from_extra_config({}).mode_allowed("int4")
+
+
+def test_params_ttl_defaults_to_the_lease():
+    assert LynxConfig.from_extra_config({"lease_s": 45}).signed_params_ttl_s == 45
+    assert LynxConfig.from_extra_config({}).signed_params_ttl_s == 120  # the default lease
+    # a lease lengthened for a slow link (a full pool's drain time) lengthens the validity with it
+    assert LynxConfig.from_extra_config({"link_gbps": 0.007}).signed_params_ttl_s == 384
+    assert LynxConfig.from_extra_config({"lease_s": 45, "params_ttl_s": "300"}).signed_params_ttl_s == 300

@@ -5,7 +5,9 @@ from types import SimpleNamespace
 from lynx_connector.config import LynxConfig
 from lynx_connector.metadata import RemotePrefill
 from lynx_connector.scheduler import LynxConnectorScheduler
+from lynx_connector.signing import ParamsSigner
 from lynx_connector.testing import TEST_HOOKS_ENV, TEST_HOOKS_PARAM, FaultHooks, fault_hooks
+from lynx_connector.transport.keys import load_side_channel_key
 
 
 class Blocks:
@@ -16,11 +18,12 @@ class Blocks:
 def pull_hooks(hooks):
     s = LynxConnectorScheduler(SimpleNamespace(cache_config=SimpleNamespace(block_size=32)), "e",
                                LynxConfig.from_extra_config({}))
-    params = RemotePrefill(transfer_id="a" * 32, token="b" * 32, engine_id="p", request_id="p-1", host="h", ports=(5555,), num_tokens=64,
-                           mode="full").to_params()
-    params[TEST_HOOKS_PARAM] = hooks
+    params = RemotePrefill(transfer_id="a" * 32, token="b" * 32, engine_id="p", request_id="p-1", host="h",
+                           ports=(5555,), num_tokens=64, mode="full").to_params()
+    params = ParamsSigner(load_side_channel_key(), 60).sign(params)  # as P returns them (conftest's key)
+    params[TEST_HOOKS_PARAM] = hooks  # the test's own key, unsigned (honoured only with LYNX_TEST_HOOKS=1)
     req = SimpleNamespace(request_id="d-1", num_prompt_tokens=64, kv_transfer_params=params,
-                          use_structured_output=False)
+                          use_structured_output=False, block_hashes=[])
     s.get_num_new_matched_tokens(req, 0)
     s.update_state_after_alloc(req, Blocks(), 64)
     return s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).test_hooks

@@ -9,6 +9,8 @@ from vllm.v1.request import RequestStatus
 from lynx_connector.config import LynxConfig
 from lynx_connector.metadata import LynxHandshakeMetadata, LynxWorkerMeta, RemotePrefill
 from lynx_connector.scheduler import LynxConnectorScheduler
+from lynx_connector.signing import ParamsSigner, prompt_digest
+from lynx_connector.transport.keys import load_side_channel_key
 
 BS = 32
 
@@ -41,7 +43,8 @@ def make_sched(**extra):
 def req(req_id, n_prompt, params, computed=0, status=RequestStatus.RUNNING, outputs=()):
     return SimpleNamespace(request_id=req_id, num_prompt_tokens=n_prompt, num_computed_tokens=computed,
                            kv_transfer_params=params, status=status, output_token_ids=list(outputs),
-                           num_output_tokens=len(outputs))
+                           num_output_tokens=len(outputs), use_structured_output=False,
+                           block_hashes=[bytes([i]) * 32 for i in range(n_prompt // BS)])
 
 
 def sched_out(**n):
@@ -49,10 +52,11 @@ def sched_out(**n):
 
 
 def remote_params(n=100, **over):
-    p = RemotePrefill(transfer_id="a" * 32, token="b" * 32, engine_id="engine-p", request_id="p-1", host="10.1.2.3", ports=(5555,), num_tokens=n,
-                      mode="full").to_params()
+    """Params as P signs them (with this test's deployment key: conftest), ``over`` applied before signing."""
+    p = RemotePrefill(transfer_id="a" * 32, token="b" * 32, engine_id="engine-p", request_id="p-1", host="10.1.2.3",
+                      ports=(5555,), num_tokens=n, mode="full").to_params()
     p.update(over)
-    return p
+    return ParamsSigner(load_side_channel_key(), 60).sign(p)
 
 
 def test_prefill_side_encodes_when_prompt_completes_and_returns_params():
@@ -193,3 +197,124 @@ def test_decode_side_pulls_from_the_port_of_its_tensor_parallel_rank():
     assert [spec.port_for_rank(k) for k in (0, 1)] == [7001, 7002]  # P's ports need not be consecutive
     with pytest.raises(ValueError, match="same tensor-parallel size"):
         spec.port_for_rank(2)
+
+
+# ---- issue 14.6: D trusts only its prefill instances -------------------------------------------------------------
+def _refused_locally(s, r, reason):
+    """D refuses ``r``'s params: nothing is loaded (the prompt is computed locally), nothing is pulled, the
+    refusal is counted and reported in the request's response."""
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.update_state_after_alloc(r, FakeBlocks([]), 0)
+    assert r.kv_transfer_params["do_remote_prefill"] is False
+    assert s.build_connector_meta(sched_out()).reqs_to_recv == []
+    r.status = RequestStatus.FINISHED_STOPPED
+    hold, out = s.request_finished(r, [])
+    assert hold is False and out["lynx_error"]["reason"] == reason, out
+    assert s.stats.data[f"refused_{reason}"] == 1
+    assert (s._verified, s._refused, s._recv_inflight) == ({}, {}, set())  # nothing left behind
+
+
+def test_decode_refuses_unsigned_tampered_and_foreign_params():
+    good = remote_params(64)
+    for case, params, reason in (
+        ("unsigned", {k: v for k, v in good.items() if k != "lynx_sig"}, "unsigned"),
+        ("redirected", {**good, "remote_host": "127.0.0.1", "lynx_ports": [1]}, "bad_signature"),
+        ("more tokens", {**good, "remote_num_tokens": 4096}, "bad_signature"),
+        ("extended", {**good, "lynx_expires": good["lynx_expires"] + 3600}, "bad_signature"),
+    ):
+        s, _ = make_sched()
+        _refused_locally(s, req(f"d-{case}", 64, dict(params)), reason)
+
+
+def test_decode_refuses_expired_params_and_modes_it_does_not_allow():
+    s, _ = make_sched()
+    params = remote_params(64)
+    # D's clock 61 s after P signed them with a 60 s validity (remote_params)
+    s._signer = ParamsSigner(load_side_channel_key(), 60, clock=lambda: params["lynx_expires"] + 1)
+    _refused_locally(s, req("d-exp", 64, params), "expired")
+    s, _ = make_sched()  # default allowed_modes: full, speculative, bf16
+    _refused_locally(s, req("d-int4", 64, remote_params(64, lynx_mode="int4")), "mode_not_allowed")
+    s, _ = make_sched(allowed_modes="full,int4")
+    r = req("d-int4-ok", 64, remote_params(64, lynx_mode="int4"))
+    assert s.get_num_new_matched_tokens(r, 0) == (64, True)
+
+
+def test_decode_refuses_params_signed_for_another_prompt():
+    ids = list(range(64))
+    s, _ = make_sched()
+    r = req("d-p", 64, remote_params(64, lynx_prompt_sha=prompt_digest(ids)))
+    r.prompt_token_ids = ids[:63] + [999]
+    _refused_locally(s, r, "prompt_mismatch")
+    s, _ = make_sched()
+    r = req("d-p2", 64, remote_params(64, lynx_prompt_sha=prompt_digest(ids)))
+    r.prompt_token_ids = ids
+    assert s.get_num_new_matched_tokens(r, 0) == (64, True)
+
+
+def test_prefill_signs_what_it_returns_bound_to_the_prompt():
+    s, mgr = make_sched()
+    r = req("p-s", 64, {"do_remote_decode": True})
+    r.prompt_token_ids = list(range(64))
+    mgr.blocks["p-s"] = [1, 2]
+    s.update_state_after_alloc(r, FakeBlocks([1, 2]), 0)
+    s.build_connector_meta(sched_out(**{"p-s": 64}))
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = s.request_finished(r, [1, 2])
+    ParamsSigner(load_side_channel_key(), 60).verify(params)
+    assert params["lynx_prompt_sha"] == prompt_digest(r.prompt_token_ids)
+    d, _ = make_sched()
+    rd = req("d-s", 64, dict(params))
+    rd.prompt_token_ids = list(range(64))
+    assert d.get_num_new_matched_tokens(rd, 0) == (64, True)  # a D of the same deployment accepts them
+
+
+@pytest.mark.parametrize("mode, reason", [("int4", "not allowed"), ("int3", "not a transfer mode")])
+def test_prefill_refuses_a_mode_the_operator_does_not_allow(mode, reason):
+    s, mgr = make_sched()
+    r = req("p-m", 64, {"do_remote_decode": True, "lynx_mode": mode})
+    mgr.blocks["p-m"] = [1, 2]
+    s.update_state_after_alloc(r, FakeBlocks([1, 2]), 0)
+    assert s.build_connector_meta(sched_out(**{"p-m": 64})).reqs_to_save == []  # never staged
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    hold, params = s.request_finished(r, [1, 2])
+    assert hold is False  # blocks freed at once
+    err = params["lynx_error"]
+    assert err["code"] == 400 and reason in err["message"] and "do_remote_prefill" not in params
+    assert s.stats.data["refused_mode_not_allowed"] == 1
+    s2, mgr2 = make_sched(allowed_modes=["full", "int4"])
+    r2 = req("p-m2", 64, {"do_remote_decode": True, "lynx_mode": "int4"})
+    mgr2.blocks["p-m2"] = [1, 2]
+    s2.update_state_after_alloc(r2, FakeBlocks([1, 2]), 0)
+    assert [x.mode for x in s2.build_connector_meta(sched_out(**{"p-m2": 64})).reqs_to_save] == ["int4"]
+
+
+@pytest.mark.parametrize("mode, fenced", [("full", False), ("bf16", False), ("anchor", True), ("int4", True),
+                                          ("fp8", True), ("int8", True)])
+def test_lossy_loads_get_private_block_hashes(mode, fenced):
+    s, _ = make_sched(allowed_modes="all")
+    r = req("d-f", 128, remote_params(128, lynx_mode=mode))
+    before = list(r.block_hashes)
+    assert s.get_num_new_matched_tokens(r, 64) == (64, True)  # two blocks hit D's own prefix cache
+    s.update_state_after_alloc(r, FakeBlocks([5, 6, 7, 8]), 64)
+    assert r.block_hashes[:2] == before[:2]  # the local hit stays shared
+    if fenced:
+        assert all(a != b and len(a) == len(b) for a, b in zip(r.block_hashes[2:], before[2:], strict=True))
+    else:
+        assert r.block_hashes == before
+
+
+def test_insecure_deployments_sign_with_the_empty_key(monkeypatch):
+    monkeypatch.delenv("LYNX_SIDE_CHANNEL_KEY")
+    p, mgr = make_sched(insecure_side_channel=True)
+    r = req("p-i", 64, {"do_remote_decode": True})
+    mgr.blocks["p-i"] = [1, 2]
+    p.update_state_after_alloc(r, FakeBlocks([1, 2]), 0)
+    p.build_connector_meta(sched_out(**{"p-i": 64}))
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = p.request_finished(r, [1, 2])
+    ParamsSigner(None, 60).verify(params)  # the empty key: forgeable by anyone (docs: local tests only)
+    d, _ = make_sched(insecure_side_channel=True)
+    assert d.get_num_new_matched_tokens(req("d-i", 64, dict(params)), 0) == (64, True)
+    monkeypatch.setenv("LYNX_SIDE_CHANNEL_KEY", "ab" * 32)
+    secure, _ = make_sched()  # a keyed D refuses what an insecure P signed
+    _refused_locally(secure, req("d-i2", 64, dict(params)), "bad_signature")

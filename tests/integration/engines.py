@@ -17,7 +17,9 @@ SPEC_ENV = {"LYNX_TEST_HOOKS": "1"}
 
 
 def lynx_kv_config(mode: str = "full", **extra: Any) -> dict[str, Any]:
-    cfg = {"mode": mode, "staging_mb": 256, "timeout_s": 20, "lease_s": 60}
+    # the tests compare modes on one P/D pair, lossy ones included: allowed explicitly (the production default,
+    # full precision only, is what tests/integration/test_signed_params.py runs with)
+    cfg = {"mode": mode, "staging_mb": 256, "timeout_s": 20, "lease_s": 60, "allowed_modes": "all"}
     cfg.update(extra)
     return {
         "kv_connector": "LynxConnector",

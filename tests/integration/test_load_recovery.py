@@ -28,7 +28,8 @@ STAGING_MB = 48  # fits the largest prompt here in bf16 (~36 MB of fp32 KV) but 
 def kv_config(side_port: int) -> str:
     return json.dumps({"kv_connector": "lynx:speculative", "kv_load_failure_policy": "fail",
                        "kv_connector_extra_config": {"staging_mb": STAGING_MB, "timeout_s": TIMEOUT_S,
-                                                     "side_channel_port": side_port, "status_dir": "STATUS"}})
+                                                     "side_channel_port": side_port, "status_dir": "STATUS",
+                                                     "allowed_modes": ",".join(MODES)}})
 
 
 @pytest.fixture(scope="module")

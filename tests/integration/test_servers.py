@@ -21,7 +21,8 @@ def deployment(tmp_path_factory):
     if not is_prepared():
         pytest.skip("the real model is not prepared (scripts/setup_env.sh prepares it)")
     cfg = json.dumps({"kv_connector": "lynx",
-                      "kv_connector_extra_config": {"mode": "full", "link_gbps": 0.5, "lease_s": 60}})
+                      "kv_connector_extra_config": {"mode": "full", "link_gbps": 0.5, "lease_s": 60,
+                                                    "allowed_modes": "full,speculative,bf16,int8"}})
     with Deployment(str(model_dir()), tmp_path_factory.mktemp("servers"), kv_transfer_config=cfg,
                     max_model_len=4096) as dep:
         yield dep
@@ -114,3 +115,40 @@ def test_client_abort_while_kv_in_flight_releases_everything(deployment, needle)
         pytest.fail("D did not report the aborted pull")
     # and the deployment still serves
     test_completion_through_the_proxy_finds_the_needle(deployment, needle, "full")
+
+
+def test_a_mode_the_operator_does_not_allow_is_a_400_and_unsigned_params_are_refused_and_counted(deployment, needle):
+    """Issue 14.6 over HTTP: the proxy answers 400 for a lynx_mode outside allowed_modes (int4 here); remote-prefill
+    params a client sends straight to D without P's signature are refused (the prompt is computed on D, the
+    response says why) and counted in D's Prometheus metrics."""
+    import urllib.error
+
+    from lynx_connector.lab.models import model_dir
+    from lynx_connector.metadata import RemotePrefill, mint_ticket
+
+    model = str(model_dir())
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        post(deployment.url + "/v1/completions", {"model": model, "prompt": needle.token_ids, "max_tokens": 2,
+                                                  "kv_transfer_params": {"lynx_mode": "int4"}})
+    body = json.loads(exc.value.read())
+    assert exc.value.code == 400 and "allowed_modes" in body["error"]["message"], body
+    tid, token = mint_ticket()
+    forged = RemotePrefill(engine_id="evil", request_id="x", host="127.0.0.1", ports=(1,),
+                           num_tokens=len(needle.token_ids), mode="full", transfer_id=tid, token=token).to_params()
+    out = post(deployment.decode.url + "/v1/completions", {"model": model, "prompt": needle.token_ids,
+                                                           "max_tokens": 12, "temperature": 0,
+                                                           "kv_transfer_params": forged})
+    assert out["kv_transfer_params"]["lynx_error"]["reason"] == "unsigned", out.get("kv_transfer_params")
+    assert needle.answer in out["choices"][0]["text"], out  # served, from D's own prefill
+    deadline = time.monotonic() + 30
+    while True:
+        with urllib.request.urlopen(deployment.decode.url + "/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+        if re.search(r'vllm:lynx_refused_params_total\{[^}]*reason="unsigned"[^}]*\} [1-9]', metrics):
+            break
+        assert time.monotonic() < deadline, [ln for ln in metrics.splitlines() if "lynx" in ln]
+        time.sleep(1)
+    # and the deployment keeps serving
+    ok = post(deployment.url + "/v1/completions", {"model": model, "prompt": needle.token_ids, "max_tokens": 12,
+                                                   "temperature": 0})
+    assert needle.answer in ok["choices"][0]["text"], ok

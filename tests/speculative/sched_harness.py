@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from lynx_connector.metadata import LynxWorkerMeta, RemotePrefill
+from lynx_connector.signing import ParamsSigner
+from lynx_connector.transport.keys import load_side_channel_key
 
 BLOCK = 16
 EOS = 2
@@ -67,7 +69,8 @@ def make_scheduler(mc: Any, *, k: int = 4, cap: int = 6, margin: float = 0.0, po
     kv = KVTransferConfig(kv_connector="LynxConnector", kv_connector_module_path="lynx_connector.connector",
                           kv_role="kv_both", kv_load_failure_policy=policy,
                           kv_connector_extra_config={"max_speculative_tokens": cap, "speculative_min_margin": margin,
-                                                     "report_speculation": report_all})
+                                                     "report_speculation": report_all,
+                                                     "allowed_modes": "all"})  # the tests play every mode
     sp = (SpeculativeConfig(method="custom_class", model=NULL_PROPOSER, num_speculative_tokens=k,
                             target_model_config=mc, target_parallel_config=ParallelConfig()) if spec else None)
     vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kv,
@@ -126,10 +129,13 @@ class Driver:
 
         extra = None
         if remote:
-            params = RemotePrefill(transfer_id="a" * 32, token="b" * 32, engine_id="engine-p", request_id="p-" + rid, host="127.0.0.1", ports=(5555,),
-                                   num_tokens=prompt_len, mode=mode, first_token=first_token).to_params()
+            params = RemotePrefill(transfer_id="a" * 32, token="b" * 32, engine_id="engine-p", request_id="p-" + rid,
+                                   host="127.0.0.1", ports=(5555,), num_tokens=prompt_len, mode=mode,
+                                   first_token=first_token).to_params()
+            # signed as P signs them, with the deployment key of the test (conftest)
+            params = ParamsSigner(load_side_channel_key(), 600).sign(params)
             if report:
-                params["lynx_report"] = True
+                params["lynx_report"] = True  # not a signed key: a relay may add it
             extra = {"kv_transfer_params": params}
         sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=logprobs, ignore_eos=ignore_eos,
                             seed=0 if temperature else None, extra_args=extra)

@@ -70,7 +70,9 @@ def mean_ci(values: list[float]) -> tuple[float | None, tuple[float | None, floa
 
 # ---- engines in child processes -------------------------------------------------------------------------------
 def kv_config(extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    cfg = {"mode": "full", "staging_mb": 384, "timeout_s": 60, "lease_s": 300}
+    # the bench compares every mode on one P/D pair: it allows them all (a deployment's default is
+    # lossless + lynx full/speculative only: allowed_modes in docs/OPERATIONS.md)
+    cfg = {"mode": "full", "staging_mb": 384, "timeout_s": 60, "lease_s": 300, "allowed_modes": "all"}
     cfg.update(extra or {})
     return {"kv_connector": "LynxConnector", "kv_connector_module_path": "lynx_connector.connector",
             "kv_role": "kv_both", "kv_connector_extra_config": cfg}

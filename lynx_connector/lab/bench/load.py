@@ -310,7 +310,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env0 = environment_info()
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="lynx-load-"))
     status_dir = log_dir / "status"
-    extra = {"status_dir": str(status_dir)}
+    extra = {"status_dir": str(status_dir), "allowed_modes": "all"}  # the lossy modes of --modes too
     if args.staging_mb:
         extra["staging_mb"] = args.staging_mb
     kv_cfg = json.dumps({"kv_connector": "lynx:speculative", "kv_load_failure_policy": "fail",

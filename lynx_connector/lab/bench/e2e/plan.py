@@ -109,7 +109,8 @@ def choose_rates(prefill_s: float, ref_tokens: int, shape: ModelShape, ratios: l
 
 
 def kv_config(link_gbps: float | None, spec_min_margin: float | None = None) -> str:
-    extra: dict[str, Any] = {"mode": "full", "link_gbps": link_gbps}
+    # every mode of the comparison on one P/D pair: allowed explicitly (the default is full precision only)
+    extra: dict[str, Any] = {"mode": "full", "link_gbps": link_gbps, "allowed_modes": "all"}
     if spec_min_margin is not None:
         extra["speculative_min_margin"] = spec_min_margin
     return json.dumps({"kv_connector": "lynx", "kv_connector_extra_config": extra})
