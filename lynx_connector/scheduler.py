@@ -26,6 +26,7 @@ from collections.abc import Set
 from typing import TYPE_CHECKING, Any
 
 from lynx_connector.config import LynxConfig
+from lynx_connector.fanout import CHILDREN_KEY, SiblingBook
 from lynx_connector.logger import init_logger
 from lynx_connector.metadata import (
     InvalidTransferParams,
@@ -66,6 +67,8 @@ class LynxConnectorScheduler:
         self._save_aborted: list[str] = []
         # P: each saved request's (transfer_id, token), minted here, handed to the workers and returned to D
         self._save_ticket: dict[str, tuple[str, str]] = {}
+        # P: the finished children of each request vLLM fanned out (n > 1), listed in the last one's params
+        self._siblings = SiblingBook(keep_s=config.lease_s)
         # D: local prefix-hit tokens seen by get_num_new_matched_tokens; pulls to start; pulls in flight.
         self._local_hits: dict[str, int] = {}
         self._recv_pending: list[RecvSpec] = []
@@ -116,11 +119,11 @@ class LynxConnectorScheduler:
         if not params or not params.get("do_remote_prefill"):
             return None
         try:
-            return RemotePrefill.from_params(params)
+            return RemotePrefill.from_params(params, request.request_id)  # a child (n > 1) takes its own entry
         except InvalidTransferParams as exc:
             logger.warning("Request %s: unusable kv_transfer_params (%s); computing its prompt locally",
                            request.request_id, exc)
-            params["do_remote_prefill"] = False
+            _pulled(request)
             return None
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -143,7 +146,7 @@ class LynxConnectorScheduler:
         if remote is None:
             return
         # One transfer per request, even if it is preempted and rescheduled later (then it recomputes).
-        params["do_remote_prefill"] = False
+        _pulled(request)
         local_hit = self._local_hits.pop(request.request_id, 0)
         block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens > 0 else []
         num_tokens = local_hit + num_external_tokens if num_external_tokens > 0 else 0
@@ -303,7 +306,18 @@ class LynxConnectorScheduler:
             token=ticket[1] if ticket else "",
             first_token=request.output_token_ids[0] if request.num_output_tokens else None,
         )
-        return True, remote.to_params()
+        params = remote.to_params()
+        children = self._siblings.add(req_id, params)  # n > 1: every child's transfer (lynx_connector/fanout.py)
+        if children is not None:
+            params[CHILDREN_KEY] = children
+        return True, params
+
+
+def _pulled(request: Request) -> None:
+    """D: the request pulls no more (pulled once, or unusable params). On its own copy of the params: the children
+    of a request with ``n > 1`` share one dict when the engine runs in-process (vLLM copies sampling params
+    shallowly), and a sibling must still pull its own KV."""
+    request.kv_transfer_params = {**(request.kv_transfer_params or {}), "do_remote_prefill": False}
 
 
 class SpeculationPort:
