@@ -173,6 +173,18 @@ class LynxConnectorScheduler:
                     self.spec_first_token[request.request_id] = remote.first_token
             self._faults.on_pull(request.request_id, params)
 
+    def _discard_unpulled(self, request: Request, params: dict[str, Any]) -> None:
+        """D: a request that ended before its pull was set up (aborted while waiting, e.g. its client left):
+        an empty load tells the worker to free P's staging now instead of at P's lease."""
+        try:
+            remote = RemotePrefill.from_params(params, request.request_id)
+        except InvalidTransferParams:
+            return
+        self._recv_pending.append(RecvSpec(
+            req_id=request.request_id, block_ids=[], num_tokens=0, skip_blocks=0, remote_host=remote.host,
+            remote_ports=remote.ports, remote_req_id=remote.request_id, remote_engine_id=remote.engine_id,
+            mode=remote.mode, transfer_id=remote.transfer_id, token=remote.token))
+
     def _decode_mode(self, request: Request, mode: str) -> str:
         """D's mode for a pull: speculation needs the Lynx scheduler, otherwise the request is served as its
         mode's fallback (the modes table: full). Structured-output requests are served as the fallback too (held
@@ -274,6 +286,9 @@ class LynxConnectorScheduler:
             self.spec_pending.discard(req_id)
             self._recv_aborted.append(req_id)
             return True, None
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            self._discard_unpulled(request, params)
         if self._save_tracked.pop(req_id, None) is None:
             return False, None
         mode = self._save_mode.pop(req_id, self.config.mode)

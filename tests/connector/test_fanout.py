@@ -1,5 +1,6 @@
 """Requests vLLM splits into children (n > 1): each D child pulls its own P child's staging
-(``lynx_connector/fanout.py``). Scheduler halves with the small fakes of test_scheduler_half, then both halves
+(``lynx_connector/fanout.py``); a child (or any D request) that ends before its pull started frees P's staging
+at once, not at P's lease. Scheduler halves with the small fakes of test_scheduler_half, then both halves
 with the real worker, codec and transport over the fake NIXL of test_worker_fake_nixl. The real engines run in
 tests/integration/test_fanout_engines.py."""
 
@@ -14,7 +15,12 @@ from vllm.v1.request import RequestStatus
 
 from lynx_connector.codec import KVLayout
 from lynx_connector.fanout import CHILDREN_KEY, SiblingBook, child_of
-from lynx_connector.metadata import InvalidTransferParams, LynxHandshakeMetadata, RemotePrefill
+from lynx_connector.metadata import (
+    InvalidTransferParams,
+    LynxConnectorMetadata,
+    LynxHandshakeMetadata,
+    RemotePrefill,
+)
 from tests.connector.test_scheduler_half import FakeBlocks, make_sched, remote_params, req, sched_out
 from tests.connector.test_worker_fake_nixl import (  # noqa: F401  (pair is a fixture)
     BS,
@@ -24,6 +30,8 @@ from tests.connector.test_worker_fake_nixl import (  # noqa: F401  (pair is a fi
     expected,
     pair,
     poll_until,
+    publish,
+    recv_spec,
     results_until,
 )
 
@@ -154,3 +162,52 @@ def test_fanout_end_to_end_over_the_transport(pair):  # noqa: F811  (the fixture
             assert all(torch.equal(g, w) for g, w in zip(got, ref, strict=True)), (name, k.request_id)
     poll_until([pw, dw], lambda: pw.source.stats()["regions_live"] == 0)
     assert dw.sink.pool.regions_live == 0 and dw._recvs == {}
+
+
+# ---- a load that will never be pulled frees P's staging now (a Done), not at the lease -------------------------
+
+def test_a_d_request_that_ends_unscheduled_frees_ps_staging():
+    """D: a child aborted while waiting in vLLM's queue (its client left) never reached update_state_after_alloc;
+    request_finished hands the worker an empty load for its transfer, which the worker turns into a Done."""
+    p, mgr = make_sched()
+    final = p_children(p, mgr, 2)[0][-1]
+    d, _ = make_sched()
+    kids = [req(f"{i}_cmpl-d-99999999", 70, copy.deepcopy(final), status=RequestStatus.FINISHED_ABORTED)
+            for i in range(2)]
+    d.get_num_new_matched_tokens(kids[0], 0)
+    d.update_state_after_alloc(kids[0], FakeBlocks([1, 2, 4]), 70)
+    d.build_connector_meta(sched_out())
+    d.update_connector_output(type("O", (), {"finished_recving": {kids[0].request_id},
+                                             "kv_connector_worker_meta": None})())
+    assert d.request_finished(kids[0], [1, 2, 4]) == (False, None)  # pulled: nothing more to free
+    assert d.request_finished(kids[1], []) == (False, None)  # never scheduled
+    (spec,) = d.build_connector_meta(sched_out()).reqs_to_recv
+    entry = next(e for e in final[CHILDREN_KEY] if e["child"] == 1)
+    assert (spec.req_id, spec.num_tokens, spec.block_ids) == (kids[1].request_id, 0, [])
+    assert (spec.transfer_id, spec.token) == (entry["lynx_transfer_id"], entry["lynx_token"])
+    assert d.build_connector_meta(sched_out()).reqs_to_recv == []  # once
+
+
+@pytest.mark.parametrize("how", ["empty_load", "aborted_while_waiting_for_room", "no_room_in_time"])
+def test_a_load_never_pulled_frees_ps_staging_by_done(pair, how):  # noqa: F811
+    make, _ = pair
+    (pw, _), (dw, _) = make("kv_producer"), make("kv_consumer")
+    publish(pw, "full")
+    assert pw.source.stats()["requests_live"] == 1
+    spec = recv_spec(pw, "full")
+    if how == "empty_load":
+        spec.num_tokens, spec.block_ids = 0, []
+        dw.start_load(LynxConnectorMetadata(reqs_to_recv=[spec]))
+        assert dw.take_results() == (set(), set())  # nothing for vLLM: it loads nothing asynchronously
+    else:
+        dw.sink.pool.alloc_request("filler", dw.sink.pool.nbytes - 4096, 0)  # D's pool has no room
+        dw.start_load(LynxConnectorMetadata(reqs_to_recv=[spec]))
+        assert len(dw._recv_waiting) == 1
+        if how == "aborted_while_waiting_for_room":
+            dw.start_load(LynxConnectorMetadata(recv_aborted=["d1"]))
+            assert dw.take_results() == ({"d1"}, set())
+        else:
+            results_until([pw, dw], dw, lambda done, failed: "d1" in failed)  # D's timeout_s (2 s)
+    poll_until([pw, dw], lambda: pw.source.stats()["requests_live"] == 0, timeout=5.0)
+    st = pw.source.stats()
+    assert st["freed_done"] == 1 and st["freed_lease"] == 0 and st["regions_live"] == 0
