@@ -173,7 +173,7 @@ class LynxConfig:
         ``lease_s`` the transport runs with, which P keeps an unread request's staging for)."""
         if self.params_ttl_s is not None:
             return self.params_ttl_s
-        return self.transport_config(0, None, "params").lease_s
+        return self.effective_lease_s
 
     def mode_allowed(self, mode: str) -> bool:
         return mode in self.allowed_modes
@@ -242,15 +242,23 @@ class LynxConfig:
         if self.status_dir is not None:
             os.makedirs(self.status_dir, exist_ok=True)
             status = os.path.join(self.status_dir, endpoint + ".json")
-        kw = dict(link_gbps=self.link_gbps, chunk_bytes=self.chunk_bytes, window_bytes=self.window_bytes,
-                  timeout_s=self.timeout_s, host=self.side_channel_host,
-                  port=self.side_channel_port + tp_rank if self.side_channel_port else 0,
-                  pool_bytes=self.staging_mb << 20, key=key, status_path=status)
-        lease_s = self.lease_s
-        if lease_s is None:  # the default: 120 s, or longer when a full pool drains slower than that at link_gbps
-            drain_s = TransportConfig(**kw, lease_s=1e12).pool_drain_s or 0.0
-            lease_s = max(DEFAULT_LEASE_S, float(math.ceil(1.25 * drain_s)))
-        return TransportConfig(**kw, lease_s=lease_s)
+        return TransportConfig(
+            link_gbps=self.link_gbps, chunk_bytes=self.chunk_bytes, window_bytes=self.window_bytes,
+            lease_s=self.effective_lease_s, timeout_s=self.timeout_s, host=self.side_channel_host,
+            port=self.side_channel_port + tp_rank if self.side_channel_port else 0,
+            pool_bytes=self.staging_mb << 20, key=key, status_path=status)
+
+    @property
+    def effective_lease_s(self) -> float:
+        """P's lease: ``lease_s``, or by default 120 s, lengthened to 1.25x the time a full pool takes to drain at
+        ``link_gbps`` when that is longer (the transport refuses a lease shorter than that drain time)."""
+        if self.lease_s is not None:
+            return self.lease_s
+        from lynx_connector.transport.config import TransportConfig
+
+        drain_s = TransportConfig(link_gbps=self.link_gbps, pool_bytes=self.staging_mb << 20,
+                                  lease_s=1e12).pool_drain_s or 0.0
+        return max(DEFAULT_LEASE_S, float(math.ceil(1.25 * drain_s)))
 
     def describe(self) -> str:
         """One line for the start-up log."""

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from lynx_connector.fanout import CHILD_KEYS, CHILDREN_KEY, MAX_CHILDREN, child_of
 from lynx_connector.modes import MODE_NAMES, is_mode
 
 #: Version of the kv_transfer_params / side-channel contract; D refuses a P that speaks another one.
@@ -166,8 +167,11 @@ class RemotePrefill:
         return params
 
     @classmethod
-    def from_params(cls, params: dict[str, Any]) -> RemotePrefill:
-        """Validate untrusted params (they came through the proxy); raise InvalidTransferParams."""
+    def from_params(cls, params: dict[str, Any], req_id: str | None = None) -> RemotePrefill:
+        """Validate untrusted params (they came through the proxy); raise InvalidTransferParams. ``req_id``: D's
+        request id; a child of a fanned-out request (``n > 1``) pulls its own entry of ``lynx_children``."""
+        if CHILDREN_KEY in params:
+            params = for_child(params, req_id)
 
         def need(key: str, typ: type | tuple[type, ...]) -> Any:
             if key not in params:
@@ -208,3 +212,27 @@ class RemotePrefill:
         return cls(engine_id=engine_id, request_id=request_id, host=host, ports=tuple(ports),
                    num_tokens=num_tokens, mode=mode, transfer_id=transfer_id, token=token,
                    first_token=first)
+
+
+def for_child(params: dict[str, Any], req_id: str | None) -> dict[str, Any]:
+    """The params as D's request ``req_id`` must use them: for child ``i`` of a fanned-out request
+    (``lynx_connector.fanout``), P's child ``i``'s transfer (its entry of ``lynx_children``) instead of the
+    one at the top level; for any other request the top level. Raise InvalidTransferParams."""
+    children = params[CHILDREN_KEY]
+    if (not isinstance(children, list) or not 0 < len(children) <= MAX_CHILDREN
+            or not all(isinstance(e, dict) and set(e) <= {"child", *CHILD_KEYS} and type(e.get("child")) is int
+                       for e in children)):
+        raise InvalidTransferParams(f"{CHILDREN_KEY} must be a list of 1 to {MAX_CHILDREN} child entries")
+    base = {k: v for k, v in params.items() if k != CHILDREN_KEY}
+    parsed = child_of(req_id) if req_id is not None else None
+    if parsed is None:
+        return base
+    index = parsed[0]
+    entry = next((e for e in children if e["child"] == index), None)
+    if entry is None:
+        listed = sorted(e["child"] for e in children)
+        raise InvalidTransferParams(f"P's answer carries no KV for child {index} of this request (it lists "
+                                    f"children {listed}: a sibling on P was aborted or not staged)")
+    out = {k: v for k, v in base.items() if k not in CHILD_KEYS}
+    out.update((k, v) for k, v in entry.items() if k != "child")
+    return out

@@ -26,6 +26,7 @@ from collections.abc import Set
 from typing import TYPE_CHECKING, Any
 
 from lynx_connector.config import LynxConfig
+from lynx_connector.fanout import CHILDREN_KEY, SiblingBook
 from lynx_connector.logger import init_logger
 from lynx_connector.metadata import (
     InvalidTransferParams,
@@ -77,6 +78,8 @@ class LynxConnectorScheduler:
         self._save_aborted: list[str] = []
         # P: each saved request's (transfer_id, token), minted here, handed to the workers and returned to D
         self._save_ticket: dict[str, tuple[str, str]] = {}
+        # P: the finished children of each request vLLM fanned out (n > 1), listed in the last one's params
+        self._siblings = SiblingBook(keep_s=config.effective_lease_s)
         # D: local prefix-hit tokens seen by get_num_new_matched_tokens; pulls to start; pulls in flight.
         self._local_hits: dict[str, int] = {}
         self._recv_pending: list[RecvSpec] = []
@@ -158,7 +161,7 @@ class LynxConnectorScheduler:
         try:
             self._signer.verify(params)  # before anything else is read
             try:
-                remote = RemotePrefill.from_params(params)
+                remote = RemotePrefill.from_params(params, req_id)  # a child (n > 1): its own entry
             except InvalidTransferParams as exc:
                 raise ParamsRefused("malformed", f"unusable kv_transfer_params: {exc}") from None
             if not self.config.mode_allowed(remote.mode):
@@ -167,7 +170,7 @@ class LynxConnectorScheduler:
                                                         f"instance (allowed_modes: {allowed})")
             check_prompt(params, getattr(request, "prompt_token_ids", None), remote.num_tokens)
         except ParamsRefused as exc:
-            params["do_remote_prefill"] = False
+            _pulled(request)
             self._refused[req_id] = {"message": f"remote-prefill params refused ({exc.reason}): {exc}; the prompt "
                                                 "was computed locally", "type": "lynx_params_refused",
                                      "reason": exc.reason}
@@ -200,7 +203,7 @@ class LynxConnectorScheduler:
             return
         self._verified.pop(request.request_id, None)
         # One transfer per request, even if it is preempted and rescheduled later (then it recomputes).
-        params["do_remote_prefill"] = False
+        _pulled(request)
         local_hit = self._local_hits.pop(request.request_id, 0)
         block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens > 0 else []
         num_tokens = local_hit + num_external_tokens if num_external_tokens > 0 else 0
@@ -228,6 +231,18 @@ class LynxConnectorScheduler:
                 if remote.first_token is not None:
                     self.spec_first_token[request.request_id] = remote.first_token
             self._faults.on_pull(request.request_id, params)
+
+    def _discard_unpulled(self, request: Request, params: dict[str, Any]) -> None:
+        """D: a request that ended before its pull was set up (aborted while waiting, e.g. its client left):
+        an empty load tells the worker to free P's staging now instead of at P's lease."""
+        try:
+            remote = RemotePrefill.from_params(params, request.request_id)
+        except InvalidTransferParams:
+            return
+        self._recv_pending.append(RecvSpec(
+            req_id=request.request_id, block_ids=[], num_tokens=0, skip_blocks=0, remote_host=remote.host,
+            remote_ports=remote.ports, remote_req_id=remote.request_id, remote_engine_id=remote.engine_id,
+            mode=remote.mode, transfer_id=remote.transfer_id, token=remote.token))
 
     def _decode_mode(self, request: Request, mode: str) -> str:
         """D's mode for a pull: speculation needs the Lynx scheduler, otherwise the request is served as its
@@ -332,6 +347,9 @@ class LynxConnectorScheduler:
             self.spec_pending.discard(req_id)
             self._recv_aborted.append(req_id)
             return True, None
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            self._discard_unpulled(request, params)
         if self._save_tracked.pop(req_id, None) is None:
             return False, (None if error is None else {"lynx_error": error})
         mode = self._save_mode.pop(req_id, self.config.mode)
@@ -365,10 +383,20 @@ class LynxConnectorScheduler:
             first_token=request.output_token_ids[0] if request.num_output_tokens else None,
         )
         params = remote.to_params()
+        children = self._siblings.add(req_id, params)  # n > 1: every child's transfer (lynx_connector/fanout.py)
+        if children is not None:
+            params[CHILDREN_KEY] = children  # signed with the rest: D pulls by it
         ids = getattr(request, "prompt_token_ids", None)
         if ids is not None:
             params[PROMPT_KEY] = prompt_digest(ids[: request.num_prompt_tokens])
         return True, self._signer.sign(params)
+
+
+def _pulled(request: Request) -> None:
+    """D: the request pulls no more (pulled once, or unusable params). On its own copy of the params: the children
+    of a request with ``n > 1`` share one dict when the engine runs in-process (vLLM copies sampling params
+    shallowly), and a sibling must still pull its own KV."""
+    request.kv_transfer_params = {**(request.kv_transfer_params or {}), "do_remote_prefill": False}
 
 
 class SpeculationPort:

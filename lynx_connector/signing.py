@@ -28,6 +28,7 @@ from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from lynx_connector.fanout import CHILDREN_KEY, MAX_CHILDREN
 from lynx_connector.logger import init_logger
 
 logger = init_logger(__name__)
@@ -42,7 +43,7 @@ PROMPT_KEY = "lynx_prompt_sha"
 SIGNED_KEYS: tuple[str, ...] = (
     "do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
     "lynx_ports", "remote_num_tokens", "lynx_mode", "lynx_version", "lynx_transfer_id", "lynx_token", "lynx_first_token",
-    PROMPT_KEY, EXPIRES_KEY,
+    CHILDREN_KEY, PROMPT_KEY, EXPIRES_KEY,
 )
 #: Why D refused remote-prefill params (the ``reason`` label of ``vllm:lynx_refused_params``).
 REFUSAL_REASONS: tuple[str, ...] = ("unsigned", "bad_signature", "expired", "malformed", "mode_not_allowed",
@@ -83,13 +84,22 @@ def _plain(value: Any) -> bool:
     return False
 
 
+def _plain_children(value: Any) -> bool:
+    """``lynx_children`` (n > 1, lynx_connector/fanout.py): a bounded list of flat dicts of plain scalars."""
+    return isinstance(value, list) and len(value) <= MAX_CHILDREN and all(
+        isinstance(e, dict) and len(e) <= 8 and all(isinstance(k, str) and _plain(v) and not isinstance(v, list)
+                                                    for k, v in e.items())
+        for e in value)
+
+
 def canonical(params: Mapping[str, Any]) -> bytes:
     """The signed content: the JSON of the signed keys present (:class:`ParamsRefused` ``malformed`` when a
-    value is not a plain JSON scalar or a list of integers)."""
+    value is not a plain JSON scalar or a list of integers, or for ``lynx_children`` a list of flat dicts of
+    scalars)."""
     signed = {}
     for key in SIGNED_KEYS:
         if key in params:
-            if not _plain(params[key]):
+            if not (_plain_children if key == CHILDREN_KEY else _plain)(params[key]):
                 raise ParamsRefused("malformed", f"{key} is not a plain JSON value of the expected size")
             signed[key] = params[key]
     return json.dumps(signed, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()

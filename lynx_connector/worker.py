@@ -21,6 +21,7 @@ now; a cancelled one (preempted while speculating: its blocks are already freed)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import OrderedDict
@@ -254,8 +255,9 @@ class LynxConnectorWorker:
             rec = self._recvs.get(req_id)
             if rec is not None:
                 self._finish_recv(rec, error="aborted by the client", outcome="aborted")
-            elif self._recv_waiting.pop(req_id, None) is not None:
+            elif (waiting := self._recv_waiting.pop(req_id, None)) is not None:
                 self._finished_recving.add(req_id)  # never pulled: vLLM frees its blocks now
+                self._discard(waiting[0])
         for req_id in meta.recv_cancelled:
             rec = self._recvs.get(req_id)
             if rec is not None:
@@ -273,14 +275,13 @@ class LynxConnectorWorker:
                 self._failed_recving.add(spec.req_id)
                 self._finished_recving.add(spec.req_id)
             return
-        if spec.num_tokens == 0:  # full local prefix hit: nothing to pull; P frees its staging at the lease
-            logger.debug("request %s: prompt fully in D's prefix cache, nothing pulled", spec.req_id)
-            return
+        if spec.num_tokens == 0:  # nothing to pull (a full local prefix hit, or it ended unscheduled): P frees now
+            return self._discard(spec)
         need = sum(self._pull_layout(spec).nbytes)
         if need > self.sink.pool.nbytes:  # can never fit: fail now rather than after waiting for room
             logger.error("LynxConnector: request %s needs %d bytes of staging, more than D's whole pool "
                          "(staging_mb=%d)", spec.req_id, need, self.sink.pool.nbytes >> 20)
-            self._fail_unstarted(spec.req_id)
+            self._fail_unstarted(spec)
             return
         if self._recv_waiting or not self._begin_pull(spec, hooks):  # FIFO behind requests already waiting
             self._recv_waiting[spec.req_id] = (spec, hooks, time.monotonic() + self.config.timeout_s)
@@ -301,13 +302,19 @@ class LynxConnectorWorker:
             del self._recv_waiting[req_id]
             logger.error("LynxConnector: request %s found no room in D's staging pool (staging_mb=%d) within "
                          "%.1fs", req_id, self.sink.pool.nbytes >> 20, self.config.timeout_s)
-            self._fail_unstarted(req_id)
+            self._fail_unstarted(spec)
 
-    def _fail_unstarted(self, req_id: str) -> None:
+    def _discard(self, spec: RecvSpec) -> None:
+        """P's staging of a load that will never be pulled is freed now (a Done), not at its lease."""
+        with contextlib.suppress(ValueError):  # params D could not have pulled with either: nothing to free
+            self.sink.discard(spec.remote_host, spec.port_for_rank(self.tp_rank), spec.transfer_id, spec.token)
+
+    def _fail_unstarted(self, spec: RecvSpec) -> None:
         """A load that never got staging: reported failed at once (kv_load_failure_policy applies)."""
-        self._failed_recving.add(req_id)
-        self._finished_recving.add(req_id)
+        self._failed_recving.add(spec.req_id)
+        self._finished_recving.add(spec.req_id)
         self.stats.record_failure("stage")
+        self._discard(spec)
 
     def _pull_layout(self, spec: RecvSpec) -> StagedLayout:
         """D's staging layout of a request (the residual empty when its mode never pulls it)."""

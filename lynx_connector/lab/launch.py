@@ -305,12 +305,13 @@ class Deployment:
         self.servers = [self.prefill, self.decode, self.proxy]
 
     def restart_decode(self, kv_transfer_config: str, log_path: Path | None = None,
-                       timeout: float | None = None) -> None:
+                       timeout: float | None = None, extra_args: list[str] | None = None) -> None:
         """Stop D and start it again on the same port (same arguments, a new KVTransferConfig, e.g. another
-        link rate), logging to ``log_path``; P and the proxy keep running."""
+        link rate, and ``extra_args`` after the others, e.g. ``--max-num-seqs 2``), logging to ``log_path``; P
+        and the proxy keep running."""
         d = self.decode
         d.stop()
-        d.argv = self._serve_argv("decode", d.port, kv_transfer_config)
+        d.argv = self._serve_argv("decode", d.port, kv_transfer_config) + list(extra_args or [])
         if log_path is not None:
             d.log_path = Path(log_path)
         d.start()

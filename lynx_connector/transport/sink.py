@@ -145,6 +145,16 @@ class TransferSink(ControlTimers):
         """Tell P to free the request's staging (idempotent; D's views stay the caller's)."""
         self._cmd(("release", req_id, None))
 
+    def discard(self, host: str, port: int, transfer_id: str, token: str) -> None:
+        """Tell P to free a transfer this D will never pull (its request ended, or found no staging room, before
+        its pull started): a Done, owed until P acknowledges it like every other."""
+        for what, val in (("transfer_id", transfer_id), ("token", token)):
+            if not proto.is_hex_id(val):
+                raise ValueError(f"{what} must be {proto.HEX_ID_LEN} lower-case hex characters")
+        if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"bad peer address {host!r}:{port!r}")
+        self._cmd(("discard", (host, port), (transfer_id, token)))
+
     def abort(self, req_id: str) -> None:
         """Stop pulling a request (no further events), tell P to free; returns once no chunk is in flight."""
         done = threading.Event()
@@ -245,6 +255,8 @@ class TransferSink(ControlTimers):
             kind = cmd[0]
             if kind == "pull":
                 self._start_pull(cmd[1])
+            elif kind == "discard":
+                self._owe_done(cmd[1], cmd[2], connect=True)
             else:
                 pull = self._pulls.pop(cmd[1], None)
                 if pull is not None:
@@ -278,10 +290,15 @@ class TransferSink(ControlTimers):
 
     def _send_done(self, pull: PullState) -> None:
         """Tell P to free; the Done is owed (sent again) until P acknowledges it."""
-        self._courier.owe(pull.addr, (pull.transfer_id, pull.token), time.monotonic())
-        peer = self._peers.get(pull.addr)
+        self._owe_done(pull.addr, (pull.transfer_id, pull.token))
+
+    def _owe_done(self, addr: Addr, ticket: tuple[str, str], connect: bool = False) -> None:
+        self._courier.owe(addr, ticket, time.monotonic())
+        peer = self._peers.get(addr)
+        if peer is None and connect:
+            peer = self._connect(addr)  # sent once the session is up
         if peer is not None:
-            peer.send(proto.Done(v=proto.VERSION, transfer_id=pull.transfer_id, token=pull.token))
+            peer.send(proto.Done(v=proto.VERSION, transfer_id=ticket[0], token=ticket[1]))
 
     def _forget(self, req_id: str) -> None:
         with self._ev_lock:
