@@ -38,8 +38,9 @@ def values(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def paged(k: torch.Tensor, v: torch.Tensor, bs: int, dtype: torch.dtype, isa: str | None = None,
           seed: int = 1) -> tuple[torch.Tensor, KVLayout, list[int]]:
-    """A cache of block size ``bs`` holding K, V in shuffled blocks (garbage elsewhere)."""
-    layout = KVLayout.cpu(H, bs, HD, dtype, isa=isa)
+    """A cache of block size ``bs`` holding K, V in shuffled blocks (garbage elsewhere); ``isa="flash"``: the
+    FlashAttention layout (GPU P or D), else the CPU layout of that ISA."""
+    layout = KVLayout.flash(H, bs, HD, dtype) if isa == "flash" else KVLayout.cpu(H, bs, HD, dtype, isa=isa)
     need = -(-T // bs)
     gen = torch.Generator().manual_seed(seed)
     cache = torch.randn(need + 3, H, bs, 2 * HD, generator=gen).to(dtype)
@@ -57,7 +58,7 @@ def stage(codec, cache, layout, ids, impl="torch"):
 
 def decoded(codec, anchor, residual, bs, dtype, staged, isa=None, impl="torch"):
     """What a D of block size ``bs`` and cache ``dtype`` holds after writing the planes (token-major)."""
-    layout = KVLayout.cpu(H, bs, HD, dtype, isa=isa)
+    layout = KVLayout.flash(H, bs, HD, dtype) if isa == "flash" else KVLayout.cpu(H, bs, HD, dtype, isa=isa)
     need = -(-T // bs)
     cache = torch.zeros(need + 2, H, bs, 2 * HD, dtype=dtype)
     ids = list(range(need + 1, 0, -1))[:need]
@@ -77,7 +78,7 @@ def bits(x: torch.Tensor) -> torch.Tensor:
 
 
 P_LAYOUTS = [(16, F32, None), (32, F32, None), (128, F32, None), (16, BF16, "vec16"), (32, BF16, "vec"),
-             (128, BF16, None)]  # None: vLLM's pick (amx for bf16 on AMX machines)
+             (128, BF16, None), (16, BF16, "flash"), (64, F32, "flash")]  # None: vLLM's pick (amx with AMX)
 
 
 @pytest.mark.parametrize("name", CODEC_NAMES)
@@ -125,6 +126,8 @@ def test_d_holds_the_same_config_result_in_its_own_dtype(name, p, d, full):
         if impl == "numba" and name in ("bf16", "fp8"):
             continue
         got_k, got_v = decoded(codec, anchor, residual, d_bs, d_dtype, p_dtype, impl=impl)
+        flash_k, flash_v = decoded(codec, anchor, residual, d_bs, d_dtype, p_dtype, isa="flash", impl=impl)
+        assert torch.equal(bits(flash_k), bits(got_k)) and torch.equal(bits(flash_v), bits(got_v))  # a GPU D
         if codec.stages_cache_dtype:  # the passthrough: P's values themselves, converted once
             want_k, want_v = k.to(p_dtype).to(d_dtype), v.to(p_dtype).to(d_dtype)
         elif d_dtype.itemsize >= p_dtype.itemsize and d_dtype != p_dtype:

@@ -74,11 +74,11 @@ def decode_engine(model: str, **overrides: Any) -> SpecEngine:
     return SpecEngine(model, cfg, cpu="1", **speculative_engine_args(8), **overrides)
 
 
-def run(p, d, prompts, mode: str) -> list[dict[str, Any]]:
+def run(p, d, prompts, mode: str, p_dtype: str = "float32") -> list[dict[str, Any]]:
     ids = [pr.token_ids for pr in prompts]
     pre = p.generate(ids, [{"do_remote_decode": True, "lynx_mode": mode}] * len(ids), max_tokens=1)
     params = [dict(o["kv_transfer_params"]) for o in pre]
-    assert all(pp.get("do_remote_prefill") and pp["lynx_kv_dtype"] == "float32" for pp in params), params
+    assert all(pp.get("do_remote_prefill") and pp["lynx_kv_dtype"] == p_dtype for pp in params), params
     before = d.call(f"{__name__}:pulled")
     out = d.generate(ids, params, max_tokens=MAX_TOKENS)
     after = d.call(f"{__name__}:pulled")
@@ -93,11 +93,11 @@ def tokens(outs: list[dict[str, Any]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def same_config(model, prefill, prompts):
-    """full mode on a D configured like P (block size 32, fp32): the reference."""
+    """full and bf16 (lossless) mode on a D configured like P (block size 32, fp32): the reference."""
     d = decode_engine(model)
     try:
         assert d.call(f"{__name__}:pulled")["block_size"] == 32
-        return run(prefill, d, prompts, "full")
+        return {mode: run(prefill, d, prompts, mode) for mode in ("full", "bf16")}
     finally:
         d.close()
 
@@ -111,11 +111,13 @@ def test_p_block_32_to_d_block_128_equals_the_same_config_run(model, prefill, pr
         assert d.call(f"{__name__}:pulled")["block_size"] == 128
         full = run(prefill, d, prompts, "full")
         spec = run(prefill, d, prompts, "speculative")
+        lossless = run(prefill, d, prompts, "bf16")
     finally:
         d.close()
-    record_property("outputs", json.dumps({"same_config": tokens(same_config), "full": tokens(full)}))
-    assert tokens(full) == tokens(same_config)
+    record_property("outputs", json.dumps({"same_config": tokens(same_config["full"]), "full": tokens(full)}))
+    assert tokens(full) == tokens(same_config["full"])
     assert tokens(spec) == tokens(full)
+    assert tokens(lossless) == tokens(same_config["bf16"])
     for pr, o in zip(prompts, full, strict=True):
         assert needle_found(pr.answer, o["text"]), o["text"]
 
@@ -136,5 +138,27 @@ def test_fp32_p_to_bf16_d_block_128_pulls_and_answers(model, prefill, prompts):
         d.close()
     assert tokens(spec) == tokens(full)
     for pr, o, b in zip(prompts, full, passthrough, strict=True):
+        assert needle_found(pr.answer, o["text"]), o["text"]
+        assert needle_found(pr.answer, b["text"]), b["text"]
+
+
+def test_bf16_p_block_128_to_fp32_d_block_32(model, prompts):
+    """The reverse: P's block larger than D's (NixlConnector cannot) and a bf16 P behind an fp32 D, which holds
+    P's bf16 planes exactly (widening) and a quantized mode's fp32 reconstruction."""
+    from lynx_connector.lab.data import needle_found
+
+    p = EngineProcess(model, lynx_kv_config("full"), cpu="0", block_size=128, dtype="bfloat16")
+    try:
+        d = decode_engine(model)
+        try:
+            full = run(p, d, prompts, "full", p_dtype="bfloat16")
+            spec = run(p, d, prompts, "speculative", p_dtype="bfloat16")
+            lossless = run(p, d, prompts, "bf16", p_dtype="bfloat16")
+        finally:
+            d.close()
+    finally:
+        p.close()
+    assert tokens(spec) == tokens(full)
+    for pr, o, b in zip(prompts, full, lossless, strict=True):
         assert needle_found(pr.answer, o["text"]), o["text"]
         assert needle_found(pr.answer, b["text"]), b["text"]
