@@ -1,7 +1,8 @@
 """Heterogeneous P and D on real vLLM engines (issue 18.4; CPU, the real SmolLM2, real needle prompts, KV over
 real NIXL): P at block size 32 (fp32), D at block size 128, where vLLM's NixlConnector needs P's block <= D's
 and identical dtypes. Full mode's greedy outputs equal a same-config D's (block size 32) and speculative equals
-full on the same D; a bf16 D (block size 128) behind the fp32 P pulls, answers the needles, speculative == full.
+full on the same D, and the lossless mode equals the same-config D's; a bf16 D (block size 128) behind the fp32 P
+and an fp32 D (block size 32) behind a bf16 P (block size 128) pull, answer the needles, speculative == full.
 Each D is checked to have pulled every prompt (its worker's counters), so a silent local prefill cannot pass."""
 
 from __future__ import annotations
