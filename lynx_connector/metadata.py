@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from lynx_connector.compat import staged_dtype_names
 from lynx_connector.fanout import CHILD_KEYS, CHILDREN_KEY, MAX_CHILDREN, child_of
 from lynx_connector.modes import MODE_NAMES, is_mode
 
@@ -71,6 +72,8 @@ class RecvSpec:
     #: P's transfer id and capability token of the request (``lynx_transfer_id`` / ``lynx_token``).
     transfer_id: str = ""
     token: str = ""
+    #: P's KV cache dtype (``lynx_kv_dtype``: the dtype the planes were staged from); "" = D's own.
+    kv_dtype: str = ""
 
     def port_for_rank(self, tp_rank: int) -> int:
         """The side-channel port of P's worker that holds this D worker's shard of the KV."""
@@ -124,6 +127,8 @@ class LynxHandshakeMetadata(KVConnectorHandshakeMetadata):
     host: str
     port: int
     tp_rank: int
+    #: The worker's KV cache dtype (``"float32"``...): P tells D in kv_transfer_params (``lynx_kv_dtype``).
+    kv_dtype: str = ""
 
 
 class InvalidTransferParams(ValueError):
@@ -146,6 +151,9 @@ class RemotePrefill:
     #: The token P sampled after the prompt (full-precision KV), when it sampled one. A speculative D releases
     #: it as soon as the anchor lands (lynx_connector.speculative.scheduler); the other modes ignore it.
     first_token: int | None = None
+    #: P's KV cache dtype, the dtype its planes were staged from (lynx_connector/compat.py); "" = not announced
+    #: (D assumes its own).
+    kv_dtype: str = ""
 
     def to_params(self) -> dict[str, Any]:
         params = {
@@ -164,6 +172,8 @@ class RemotePrefill:
         }
         if self.first_token is not None:
             params["lynx_first_token"] = self.first_token
+        if self.kv_dtype:
+            params["lynx_kv_dtype"] = self.kv_dtype
         return params
 
     @classmethod
@@ -209,9 +219,13 @@ class RemotePrefill:
         first = params.get("lynx_first_token")
         if first is not None and (not isinstance(first, int) or isinstance(first, bool) or not 0 <= first < 2**31):
             raise InvalidTransferParams(f"lynx_first_token must be a token id, got {first!r}")
+        kv_dtype = params.get("lynx_kv_dtype", "")
+        if kv_dtype != "" and kv_dtype not in staged_dtype_names():
+            raise InvalidTransferParams(f"lynx_kv_dtype must be one of {', '.join(staged_dtype_names())}, "
+                                        f"got {kv_dtype!r}")
         return cls(engine_id=engine_id, request_id=request_id, host=host, ports=tuple(ports),
                    num_tokens=num_tokens, mode=mode, transfer_id=transfer_id, token=token,
-                   first_token=first)
+                   first_token=first, kv_dtype=kv_dtype)
 
 
 def for_child(params: dict[str, Any], req_id: str | None) -> dict[str, Any]:

@@ -63,7 +63,8 @@ class TransferMode:
     decode_after: str
     #: When the first client-visible token may be released: RELEASE_ON_ANCHOR or RELEASE_WITH_KV.
     first_token_after: str
-    #: Whether D's blocks end up bit-identical to P's (the cache dtype's bytes).
+    #: Whether D's blocks end up bit-identical to P's (the cache dtype's bytes), when D's cache dtype holds every
+    #: value of P's (the same dtype, or bf16/fp16 P -> fp32 D); a narrower D rounds once on write (compat.py).
     lossless: bool
     #: Whether D needs the Lynx speculative scheduler (``--scheduler-cls``; the ``lynx:speculative`` preset).
     needs_spec_scheduler: bool

@@ -71,6 +71,7 @@ class LynxConnectorScheduler:
         # Where P's workers listen (from their handshake metadata), by tensor-parallel rank.
         self._side_channel_host = config.side_channel_host
         self._side_channel_ports: list[int] = []
+        self._kv_dtype = ""  # P's KV cache dtype, from its workers' handshake metadata
         # P: requests to encode once their prompt is computed (with their mode); the ones already encoded.
         self._save_tracked: dict[str, Request] = {}
         self._save_mode: dict[str, str] = {}
@@ -121,6 +122,7 @@ class LynxConnectorScheduler:
             raise TypeError(f"LynxConnector expects LynxHandshakeMetadata from its workers, got {metas!r}")
         self._side_channel_host = metas[0].host
         self._side_channel_ports = [m.port for m in metas]
+        self._kv_dtype = metas[0].kv_dtype  # announced to D with every request P serves (lynx_kv_dtype)
         logger.info("LynxConnector: side channel of this engine at %s ports %s",
                     self._side_channel_host, self._side_channel_ports)
 
@@ -220,6 +222,7 @@ class LynxConnectorScheduler:
             mode=mode,
             transfer_id=remote.transfer_id,
             token=remote.token,
+            kv_dtype=remote.kv_dtype,
         )
         self._recv_pending.append(spec)
         if num_tokens:
@@ -381,6 +384,7 @@ class LynxConnectorScheduler:
             transfer_id=ticket[0] if ticket else "",
             token=ticket[1] if ticket else "",
             first_token=request.output_token_ids[0] if request.num_output_tokens else None,
+            kv_dtype=self._kv_dtype,
         )
         params = remote.to_params()
         children = self._siblings.add(req_id, params)  # n > 1: every child's transfer (lynx_connector/fanout.py)

@@ -43,7 +43,7 @@ PROMPT_KEY = "lynx_prompt_sha"
 SIGNED_KEYS: tuple[str, ...] = (
     "do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
     "lynx_ports", "remote_num_tokens", "lynx_mode", "lynx_version", "lynx_transfer_id", "lynx_token", "lynx_first_token",
-    CHILDREN_KEY, PROMPT_KEY, EXPIRES_KEY,
+    "lynx_kv_dtype", CHILDREN_KEY, PROMPT_KEY, EXPIRES_KEY,
 )
 #: Why D refused remote-prefill params (the ``reason`` label of ``vllm:lynx_refused_params``).
 REFUSAL_REASONS: tuple[str, ...] = ("unsigned", "bad_signature", "expired", "malformed", "mode_not_allowed",

@@ -22,7 +22,6 @@ now; a cancelled one (preempted while speculating: its blocks are already freed)
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -31,8 +30,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lynx_connector.codec import (
-    INTEGRITY_FORMAT,
-    LYNX_DEFAULTS,
     IntegrityError,
     KVLayout,
     NonFiniteKVError,
@@ -45,6 +42,7 @@ from lynx_connector.codec import (
     staged_layout,
     staging_id,
 )
+from lynx_connector.compat import dtype_name, kv_compat, staged_dtype
 from lynx_connector.config import LynxConfig
 from lynx_connector.logger import init_logger
 from lynx_connector.metadata import (
@@ -115,12 +113,13 @@ class LynxConnectorWorker:
 
     # ---- start-up -------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank as rank
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size as world
 
         try:
-            self.tp_rank = get_tensor_model_parallel_rank()
+            self.tp_rank, tp_size = rank(), world()
         except Exception:  # not initialised in some unit-test set-ups
-            self.tp_rank = 0
+            self.tp_rank, tp_size = 0, 1
         self._exporter.rank = self.tp_rank
         self.layers = list(kv_caches.items())
         if not self.layers:
@@ -135,19 +134,9 @@ class LynxConnectorWorker:
             if t.shape != first.shape or t.dtype != first.dtype:
                 raise ValueError(f"LynxConnector: layer {name} has shape {tuple(t.shape)} {t.dtype}, expected "
                                  f"{tuple(first.shape)} {first.dtype} like the first layer")
-        compat = {
-            "model": model_cfg.model,
-            "layers": len(self.layers),
-            "layer_names": ",".join(n for n, _ in self.layers),
-            "kv_heads": self.layout.num_heads,
-            "head_size": self.layout.head_size,
-            "dtype": str(first.dtype),
-            "lynx_codec": json.dumps({**LYNX_DEFAULTS, **dict(self.config.codec_options)}, sort_keys=True,
-                                     default=str),
-            "layout": f"{self.layout.backend}/{self.layout.isa}/bs{self.layout.block_size}",
-            "tp_rank": self.tp_rank,
-            "integrity": INTEGRITY_FORMAT,  # the staged layout's trailers: a P and D that differ fail the handshake
-        }
+        # What P and D must share, and nothing else: block size, layout and cache dtype may differ (compat.py)
+        compat = kv_compat(model=model_cfg.model, layer_names=[n for n, _ in self.layers], layout=self.layout,
+                           codec_options=self.config.codec_options, tp_rank=self.tp_rank, tp_size=tp_size)
         name = f"lynx-{self.engine_id}-tp{self.tp_rank}"
         if self.is_producer:
             self.source = TransferSource(self.config.transport_config(self.tp_rank, self._key, name + "-src"), compat,
@@ -172,7 +161,8 @@ class LynxConnectorWorker:
         if self.source is None:
             return None
         host, port = self.source.address
-        return LynxHandshakeMetadata(host=host, port=port, tp_rank=self.tp_rank)
+        return LynxHandshakeMetadata(host=host, port=port, tp_rank=self.tp_rank,
+                                     kv_dtype=dtype_name(self.layout.dtype) if self.layout else "")
 
     def _codec(self, mode: str) -> Any:
         """The codec of a transfer mode (the modes table): every Lynx mode shares the lynx planes; baselines are
@@ -184,11 +174,11 @@ class LynxConnectorWorker:
             codec = self._codecs[name] = get_codec(name, **opts)
         return codec
 
-    def _plane_nbytes(self, mode: str, num_tokens: int) -> StagedLayout:
+    def _plane_nbytes(self, mode: str, num_tokens: int, staged: torch.dtype | None = None) -> StagedLayout:
         """A request's staging layout: per layer, the anchor and residual planes and their checksum trailers
-        (the same function on P and D, so both stage identical sizes)."""
+        (the same function on P and D, so both stage identical sizes; ``staged``: P's cache dtype on D)."""
         assert self.layout is not None
-        return staged_layout(self._codec(mode), self.layout, num_tokens, len(self.layers))
+        return staged_layout(self._codec(mode), self.layout, num_tokens, len(self.layers), staged_dtype=staged)
 
     # ---- P: encode after the forward -------------------------------------------------------------------
     def save(self, meta: LynxConnectorMetadata) -> None:
@@ -318,7 +308,7 @@ class LynxConnectorWorker:
 
     def _pull_layout(self, spec: RecvSpec) -> StagedLayout:
         """D's staging layout of a request (the residual empty when its mode never pulls it)."""
-        sl = self._plane_nbytes(spec.mode, spec.num_tokens)
+        sl = self._plane_nbytes(spec.mode, spec.num_tokens, staged_dtype(spec.kv_dtype))
         if not get_mode(spec.mode).pulls_residual:
             sl = sl.without_residual()  # decoding on the anchor alone: P frees the residual with the rest
         return sl
@@ -361,7 +351,7 @@ class LynxConnectorWorker:
                 codec = self._codec(spec.mode)
                 for i, name in enumerate(names):
                     check_metadata(codec, plane.plane(buf, i), self.layout, spec.num_tokens,
-                                   layer_name=f"layer {i} ({name})")
+                                   layer_name=f"layer {i} ({name})", staged_dtype=staged_dtype(spec.kv_dtype))
         except (IntegrityError, NonFiniteKVError) as exc:
             return f"integrity check failed: {exc}"
         except Exception as exc:  # malformed planes must fail this request, not the engine
@@ -375,16 +365,17 @@ class LynxConnectorWorker:
         codec = self._codec(spec.mode)
         sl = self._pull_layout(spec)
         anchor, residual = rec.staged.anchor, rec.staged.residual
+        staged = staged_dtype(spec.kv_dtype)  # P's cache dtype: D converts on write (compat.py)
         if full:
             self._faults.corrupt(spec.req_id, residual)  # after the checksum (test hook corrupt_residual)
         for i, (_, kv) in enumerate(self.layers):
             pa = sl.anchor.plane(anchor, i)
             if full:
                 merge_residual(codec, pa, sl.residual.plane(residual, i), kv, spec.block_ids, self.layout,
-                               spec.num_tokens, skip_blocks=spec.skip_blocks)
+                               spec.num_tokens, skip_blocks=spec.skip_blocks, staged_dtype=staged)
             else:
                 decode_anchor(codec, pa, kv, spec.block_ids, self.layout, spec.num_tokens,
-                              skip_blocks=spec.skip_blocks)
+                              skip_blocks=spec.skip_blocks, staged_dtype=staged)
 
     def poll(self) -> None:
         """Apply landed streams to the KV cache; called once per step (also on steps with no forward)."""

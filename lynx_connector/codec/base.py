@@ -17,6 +17,10 @@ class Codec(ABC):
 
     name: str = ""
     two_stream: bool = False
+    #: True when the planes carry the cache's values in their own dtype (the passthrough): the plane size then
+    #: depends on the *staged* dtype (P's cache dtype) and D converts on write when its cache dtype differs.
+    #: False for the quantizing codecs, whose planes (codes, fp16 metadata) are the same for any cache dtype.
+    stages_cache_dtype: bool = False
 
     @abstractmethod
     def plane_nbytes(self, num_tokens: int, num_heads: int, head_size: int, cache_dtype: torch.dtype) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from .api import plane_nbytes
 from .base import Codec
 from .layout import KVLayout
 
@@ -133,10 +134,12 @@ class StagedLayout:
         return StagedLayout(self.anchor, PlaneLayout("residual", 0, self.anchor.num_layers))
 
 
-def staged_layout(codec: Codec, layout: KVLayout, num_tokens: int, num_layers: int) -> StagedLayout:
+def staged_layout(codec: Codec, layout: KVLayout, num_tokens: int, num_layers: int, *,
+                  staged_dtype: torch.dtype | None = None) -> StagedLayout:
     """The staging layout of a ``num_tokens``-token request of ``num_layers`` layers: the one source of the
-    per-layer sizes, offsets and trailers on P and D."""
-    a, r = codec.plane_nbytes(num_tokens, layout.num_heads, layout.head_size, layout.dtype)
+    per-layer sizes, offsets and trailers on P and D. ``staged_dtype``: P's cache dtype (D passes what P
+    announced; it sizes the passthrough's plane only); None = ``layout.dtype``."""
+    a, r = plane_nbytes(codec, layout, num_tokens, staged_dtype=staged_dtype)
     return StagedLayout(PlaneLayout("anchor", a, num_layers), PlaneLayout("residual", r, num_layers))
 
 

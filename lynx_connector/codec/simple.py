@@ -19,7 +19,10 @@ def _require_finite(x: torch.Tensor, name: str) -> None:
 
 
 class PassthroughCodec(Codec):
-    """The cache dtype's bytes as they are (K then V, token-major): the unquantized reference."""
+    """The cache dtype's bytes as they are (K then V, token-major): the unquantized reference. The plane holds P's
+    cache dtype (``cache_dtype`` below is the staged dtype); D converts on write when its own cache differs."""
+
+    stages_cache_dtype = True
 
     def __init__(self, name: str = "bf16") -> None:
         self.name = name

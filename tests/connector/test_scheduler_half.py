@@ -173,6 +173,8 @@ def test_finished_recving_clears_inflight_and_merged_signal_is_collected():
     {"lynx_token": "b" * 31},
     {"lynx_transfer_id": "x" * 32},
     {"lynx_version": 1},
+    {"lynx_kv_dtype": "float64"},
+    {"lynx_kv_dtype": 16},
 ])
 def test_malformed_params_fall_back_to_local_prefill(bad):
     s, _ = make_sched()
@@ -318,3 +320,24 @@ def test_insecure_deployments_sign_with_the_empty_key(monkeypatch):
     monkeypatch.setenv("LYNX_SIDE_CHANNEL_KEY", "ab" * 32)
     secure, _ = make_sched()  # a keyed D refuses what an insecure P signed
     _refused_locally(secure, req("d-i2", 64, dict(params)), "bad_signature")
+
+
+def test_p_announces_its_cache_dtype_and_d_pulls_with_it():
+    """Heterogeneous P and D (issue 18.4): P's workers report their KV cache dtype at start-up, P's params carry
+    it (lynx_kv_dtype), D's pull spec follows it (the passthrough's plane is sized and read by it)."""
+    s, mgr = make_sched()
+    s.set_handshake({0: LynxHandshakeMetadata(host="10.1.2.3", port=5555, tp_rank=0, kv_dtype="bfloat16")})
+    r = req("p-dt", 40, {"do_remote_decode": True})
+    mgr.blocks["p-dt"] = [1, 2]
+    s.update_state_after_alloc(r, FakeBlocks([1, 2]), 0)
+    s.build_connector_meta(sched_out(**{"p-dt": 40}))
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = s.request_finished(r, [1, 2])
+    assert params["lynx_kv_dtype"] == "bfloat16"
+    d, _ = make_sched()
+    rd = req("d-dt", 40, dict(params))
+    d.get_num_new_matched_tokens(rd, 0)
+    d.update_state_after_alloc(rd, FakeBlocks([4, 5]), 40)
+    (spec,) = d.build_connector_meta(sched_out()).reqs_to_recv
+    assert spec.kv_dtype == "bfloat16"
+    assert "lynx_kv_dtype" not in remote_params(64)  # not announced: D assumes its own dtype
