@@ -34,7 +34,11 @@ class Clock:
 
 def p_params(**over):
     p = RemotePrefill(engine_id="engine-p", request_id="p-1", host="10.1.2.3", ports=(5600, 5601), num_tokens=100,
-                      mode="full", transfer_id="a" * 32, token="b" * 32, first_token=42).to_params()
+                      mode="full", transfer_id="a" * 32, token="b" * 32, first_token=42,
+                      kv_dtype="bfloat16").to_params()
+    # n > 1: P's answer lists every child's transfer (lynx_connector/fanout.py)
+    p["lynx_children"] = [{"child": 0, "remote_request_id": "0_p", "lynx_transfer_id": "e" * 32,
+                           "lynx_token": "f" * 32, "lynx_first_token": 7}]
     p[PROMPT_KEY] = prompt_digest(list(range(100)))
     p.update(over)
     return p
@@ -66,7 +70,9 @@ def test_signed_params_verify_and_survive_a_json_relay():
     ("remote_engine_id", "x"), ("remote_request_id", "p-2"), ("remote_num_tokens", 99),
     ("lynx_mode", "int4"), ("lynx_version", 1), ("lynx_transfer_id", "c" * 32),
     ("lynx_token", "d" * 32), ("lynx_first_token", 43), ("do_remote_prefill", 1), (PROMPT_KEY, "0" * 64),
-    (EXPIRES_KEY, 1_900_000_000),
+    (EXPIRES_KEY, 1_900_000_000), ("lynx_kv_dtype", "float32"),
+    ("lynx_children", [{"child": 0, "remote_request_id": "0_p", "lynx_transfer_id": "c" * 32,
+                        "lynx_token": "f" * 32, "lynx_first_token": 7}]),
 ])
 def test_a_tampered_field_fails_the_signature(key, value):
     signer = ParamsSigner(KEY, 120, Clock())
