@@ -4,60 +4,42 @@ P: after the forward of the step in which a request's prompt completes, encode e
 contiguous anchor region and one contiguous residual region of staging (registered with NIXL once) and
 publish them; D pulls them. P's staging is freed when D says it is done, on abort, or when the lease ends.
 
-D: pull the anchor stream (high priority) and the residual stream (low priority) into D's staging, then write
-into the request's blocks: mode ``anchor`` (and the single-stream baselines) writes when the anchor lands;
-``full`` merges anchor+residual when both have landed; ``speculative`` writes the anchor when it lands,
-reports the request ready, and merges the residual in place later (signalled through worker metadata:
-``residual_merged``, or ``residual_failed`` when the residual cannot arrive any more; a residual that fails in
-the very step its anchor is reported turns into an ordinary ``failed_recving``).
+D: pull the planes and write them into the request's blocks (``receiving.py``, the `ReceiveHalf` mixin).
 Integrity (issue 14.4): each layer's plane in staging is followed by its checksum (``codec/integrity.py`` owns
-that layout); P seals every layer right after encoding it, D verifies every layer of a plane as soon as the
-plane lands (and the anchor's metadata finite) before anything of it is decoded: a mismatch fails only that
-request, by the same path as a failed stream.
-Every path ends in ``_finish_recv``: staging freed on both sides, exactly once, whatever happened. An aborted
-request is reported in ``finished_recving`` (again, for a speculative one) so that vLLM frees its blocks only
-now; a cancelled one (preempted while speculating: its blocks are already freed) is dropped silently.
+that layout), seeded with P's transfer id and the staging's generation; P seals every layer right after
+encoding it, D verifies each before decoding it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lynx_connector.codec import (
-    IntegrityError,
     KVLayout,
     NonFiniteKVError,
     StagedLayout,
-    check_metadata,
-    decode_anchor,
     encode,
     get_codec,
-    merge_residual,
     staged_layout,
     staging_id,
 )
-from lynx_connector.compat import dtype_name, kv_compat, staged_dtype
+from lynx_connector.compat import dtype_name, kv_compat
 from lynx_connector.config import LynxConfig
 from lynx_connector.logger import init_logger
 from lynx_connector.metadata import (
     LynxConnectorMetadata,
     LynxHandshakeMetadata,
-    LynxWorkerMeta,
-    RecvSpec,
     SaveSpec,
 )
 from lynx_connector.modes import LYNX_CODEC, get_mode
+from lynx_connector.receiving import ReceiveHalf
 from lynx_connector.saving import SaveQueue
 from lynx_connector.stats import LynxStats, TransportExporter
 from lynx_connector.testing import fault_hooks
 from lynx_connector.transport import (
-    StagingFullError,
     TransferSink,
     TransferSource,
     load_side_channel_key,
@@ -69,18 +51,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
-@dataclass
-class _Recv:
-    spec: RecvSpec
-    staged: Any  # the sink's staging handle: .anchor / .residual uint8 views
-    t_start: float
-    anchor_landed: bool = False
-    residual_landed: bool = False
-    reported: bool = False  # finished_recving already sent to the scheduler
-    anchor_step: int = -1  # worker step in which the anchor was written (speculative mode)
-
-
-class LynxConnectorWorker:
+class LynxConnectorWorker(ReceiveHalf):
     def __init__(self, vllm_config: VllmConfig, engine_id: str, config: LynxConfig):
         self.config = config
         self.engine_id = engine_id
@@ -99,13 +70,7 @@ class LynxConnectorWorker:
         self.sink: TransferSink | None = None
         self.stats = LynxStats()
         self._exporter = TransportExporter()
-        self._recvs: dict[str, _Recv] = {}
-        self._finished_recving: set[str] = set()
-        # D: pulls waiting for room in D's staging pool, in arrival order: req_id -> (spec, hooks, deadline)
-        self._recv_waiting: OrderedDict[str, tuple[RecvSpec, dict[str, Any], float]] = OrderedDict()
-        self._failed_recving: set[str] = set()
-        self._merged: set[str] = set()
-        self._residual_failed: set[str] = set()
+        self._init_receive()  # D's pulls (receiving.py)
         self._step = 0  # poll() calls, one per engine step
         self._faults = fault_hooks(config)  # test-only (lynx_connector.testing)
         # The side channel's deployment key, read once at start-up (a missing or bad key fails start-up here)
@@ -239,144 +204,6 @@ class LynxConnectorWorker:
             return set()
         return self.saves.finished_sending(finished_req_ids)
 
-    # ---- D: pull and merge -----------------------------------------------------------------------------
-    def start_load(self, meta: LynxConnectorMetadata) -> None:
-        for req_id in meta.recv_aborted:
-            rec = self._recvs.get(req_id)
-            if rec is not None:
-                self._finish_recv(rec, error="aborted by the client", outcome="aborted")
-            elif (waiting := self._recv_waiting.pop(req_id, None)) is not None:
-                self._finished_recving.add(req_id)  # never pulled: vLLM frees its blocks now
-                self._discard(waiting[0])
-        for req_id in meta.recv_cancelled:
-            rec = self._recvs.get(req_id)
-            if rec is not None:
-                self._finish_recv(rec, error="preempted while speculating", outcome="cancelled")
-            self._recv_waiting.pop(req_id, None)
-        hooks = meta.test_hooks
-        for spec in meta.reqs_to_recv:
-            self._start_recv(spec, hooks.get(spec.req_id, {}))
-
-    def _start_recv(self, spec: RecvSpec, hooks: dict[str, Any]) -> None:
-        if self.sink is None:
-            logger.error("LynxConnector: request %s needs a remote prefill but this worker is not a consumer",
-                         spec.req_id)
-            if spec.num_tokens:
-                self._failed_recving.add(spec.req_id)
-                self._finished_recving.add(spec.req_id)
-            return
-        if spec.num_tokens == 0:  # nothing to pull (a full local prefix hit, or it ended unscheduled): P frees now
-            return self._discard(spec)
-        need = sum(self._pull_layout(spec).nbytes)
-        if need > self.sink.pool.nbytes:  # can never fit: fail now rather than after waiting for room
-            logger.error("LynxConnector: request %s needs %d bytes of staging, more than D's whole pool "
-                         "(staging_mb=%d)", spec.req_id, need, self.sink.pool.nbytes >> 20)
-            self._fail_unstarted(spec)
-            return
-        if self._recv_waiting or not self._begin_pull(spec, hooks):  # FIFO behind requests already waiting
-            self._recv_waiting[spec.req_id] = (spec, hooks, time.monotonic() + self.config.timeout_s)
-            logger.info("LynxConnector: D's staging full, request %s waits for room (%d waiting)", spec.req_id,
-                        len(self._recv_waiting))
-
-    def _retry_waiting_recvs(self) -> None:
-        """Start the pulls that waited for D's staging while they fit, oldest first; fail those past timeout_s."""
-        assert self.sink is not None
-        now = time.monotonic()
-        while self._recv_waiting:
-            req_id, (spec, hooks, deadline) = next(iter(self._recv_waiting.items()))
-            if self._begin_pull(spec, hooks):
-                del self._recv_waiting[req_id]
-                continue
-            if now < deadline:
-                return
-            del self._recv_waiting[req_id]
-            logger.error("LynxConnector: request %s found no room in D's staging pool (staging_mb=%d) within "
-                         "%.1fs", req_id, self.sink.pool.nbytes >> 20, self.config.timeout_s)
-            self._fail_unstarted(spec)
-
-    def _discard(self, spec: RecvSpec) -> None:
-        """P's staging of a load that will never be pulled is freed now (a Done), not at its lease."""
-        with contextlib.suppress(ValueError):  # params D could not have pulled with either: nothing to free
-            self.sink.discard(spec.remote_host, spec.port_for_rank(self.tp_rank), spec.transfer_id, spec.token)
-
-    def _fail_unstarted(self, spec: RecvSpec) -> None:
-        """A load that never got staging: reported failed at once (kv_load_failure_policy applies)."""
-        self._failed_recving.add(spec.req_id)
-        self._finished_recving.add(spec.req_id)
-        self.stats.record_failure("stage")
-        self._discard(spec)
-
-    def _pull_layout(self, spec: RecvSpec) -> StagedLayout:
-        """D's staging layout of a request (the residual empty when its mode never pulls it)."""
-        sl = self._plane_nbytes(spec.mode, spec.num_tokens, staged_dtype(spec.kv_dtype))
-        if not get_mode(spec.mode).pulls_residual:
-            sl = sl.without_residual()  # decoding on the anchor alone: P frees the residual with the rest
-        return sl
-
-    def _begin_pull(self, spec: RecvSpec, hooks: dict[str, Any]) -> bool:
-        """Allocate D's staging for a request and start its pull; False when the pool has no room right now."""
-        assert self.sink is not None
-        a, r = self._pull_layout(spec).nbytes  # all layers and their trailers; residual 0 when not pulled
-        try:
-            staged = self.sink.pool.alloc_request(spec.req_id, a, r)
-        except StagingFullError:
-            return False  # room comes back as other pulls finish (it fits the pool: checked on arrival)
-        rec = _Recv(spec=spec, staged=staged, t_start=time.perf_counter())
-        self._recvs[spec.req_id] = rec
-        self._faults.track(spec.req_id, hooks)
-        try:
-            port = spec.port_for_rank(self.tp_rank)
-            self.sink.pull(spec.req_id, spec.remote_host, port, spec.transfer_id, spec.token,
-                           staged.anchor, staged.residual if r else None)
-        except ValueError as exc:
-            self._finish_recv(rec, error=f"cannot pull: {exc}")
-        return True
-
-    def _verify(self, rec: _Recv, stream: str, generation: int) -> str | None:
-        """Check a plane that has just landed in D's staging, every layer, before any of it is decoded: its
-        checksums and (anchor) its metadata finite. The error naming the layer and plane, or None."""
-        assert self.layout is not None
-        spec = rec.spec
-        sl = self._pull_layout(spec)
-        plane = sl.anchor if stream == "anchor" else sl.residual
-        buf = rec.staged.anchor if stream == "anchor" else rec.staged.residual
-        flip = self._faults.flip_bit(spec.req_id, stream)  # test hook flip_bit: a corrupted READ
-        if flip is not None and plane.plane_nbytes:
-            layer, byte, bit = flip
-            plane.plane(buf, layer % plane.num_layers)[byte % plane.plane_nbytes] ^= 1 << bit
-        names = [n for n, _ in self.layers]
-        try:
-            plane.verify_all(buf, staging_id(spec.transfer_id, generation), names)
-            if stream == "anchor":
-                codec = self._codec(spec.mode)
-                for i, name in enumerate(names):
-                    check_metadata(codec, plane.plane(buf, i), self.layout, spec.num_tokens,
-                                   layer_name=f"layer {i} ({name})", staged_dtype=staged_dtype(spec.kv_dtype))
-        except (IntegrityError, NonFiniteKVError) as exc:
-            return f"integrity check failed: {exc}"
-        except Exception as exc:  # malformed planes must fail this request, not the engine
-            logger.exception("LynxConnector: checking request %s's %s failed", spec.req_id, stream)
-            return f"integrity check failed: {exc}"
-        return None
-
-    def _write_blocks(self, rec: _Recv, full: bool) -> None:
-        assert self.layout is not None
-        spec = rec.spec
-        codec = self._codec(spec.mode)
-        sl = self._pull_layout(spec)
-        anchor, residual = rec.staged.anchor, rec.staged.residual
-        staged = staged_dtype(spec.kv_dtype)  # P's cache dtype: D converts on write (compat.py)
-        if full:
-            self._faults.corrupt(spec.req_id, residual)  # after the checksum (test hook corrupt_residual)
-        for i, (_, kv) in enumerate(self.layers):
-            pa = sl.anchor.plane(anchor, i)
-            if full:
-                merge_residual(codec, pa, sl.residual.plane(residual, i), kv, spec.block_ids, self.layout,
-                               spec.num_tokens, skip_blocks=spec.skip_blocks, staged_dtype=staged)
-            else:
-                decode_anchor(codec, pa, kv, spec.block_ids, self.layout, spec.num_tokens,
-                              skip_blocks=spec.skip_blocks, staged_dtype=staged)
-
     def poll(self) -> None:
         """Apply landed streams to the KV cache; called once per step (also on steps with no forward)."""
         self._step += 1
@@ -385,109 +212,7 @@ class LynxConnectorWorker:
             self.source.poll()
             if self.saves is not None and self.saves.waiting:
                 self.saves.retry()  # room freed by D's done; or the wait is over and D is told why
-        if self.sink is None:
-            return
-        for req_id in self._faults.due_merges(self._step):  # test hook delay_residual_steps
-            rec = self._recvs.get(req_id)
-            if rec is not None:
-                self._apply(rec, full=True)
-        for ev in self.sink.poll():
-            rec = self._recvs.get(ev.req_id)
-            if rec is None:
-                continue
-            if not ev.ok:
-                self._finish_recv(rec, error=f"{ev.stream} stream failed: {ev.error}")
-                continue
-            now = time.perf_counter() - rec.t_start
-            mode = get_mode(rec.spec.mode)
-            if ev.stream == "anchor":
-                rec.anchor_landed = True
-                self.stats.record_stream("anchor", ev.nbytes, now)
-                bad = self._verify(rec, "anchor", ev.generation)
-                if bad is not None:
-                    self._finish_recv(rec, error=bad)
-                    continue
-                if mode.decodes_on_anchor:
-                    self._apply(rec, full=False)
-            else:
-                rec.residual_landed = True
-                self.stats.record_stream("residual", ev.nbytes, now)
-                fault = self._faults.residual_error(ev.req_id) or self._verify(rec, "residual", ev.generation)
-                if fault is not None:
-                    self._finish_recv(rec, error=fault)
-                    continue
-            if rec.anchor_landed and rec.residual_landed and mode.pulls_residual:
-                if mode.late_residual and self._faults.defer_merge(ev.req_id, rec.anchor_step, self._step):
-                    continue  # test hook: merged in a later step (due_merges)
-                self._apply(rec, full=True)
-        if self._recv_waiting:  # staging freed by the pulls that finished above
-            self._retry_waiting_recvs()
-
-    def _apply(self, rec: _Recv, full: bool) -> None:
-        try:
-            self._write_blocks(rec, full)
-        except Exception as exc:  # malformed planes must fail this request, not the engine
-            logger.exception("LynxConnector: writing request %s into the KV cache failed", rec.spec.req_id)
-            self._finish_recv(rec, error=f"decode failed: {exc}")
-            return
-        mode = get_mode(rec.spec.mode)
-        if full and mode.late_residual:
-            self._merged.add(rec.spec.req_id)
-        if not full:
-            rec.anchor_step = self._step
-        done = full or not mode.pulls_residual
-        if not rec.reported:
-            rec.reported = True
-            self._finished_recving.add(rec.spec.req_id)
-        if done:
-            self._finish_recv(rec, error=None)
-
-    def _finish_recv(self, rec: _Recv, error: str | None, outcome: str = "failed") -> None:
-        """Single exit for a pull: frees D's staging, tells P to free its own, reports once.
-
-        ``outcome`` matters only with an error: "failed" (the failure policy applies), "aborted" (the request
-        is finished: report it so vLLM frees its blocks now) or "cancelled" (preempted: no report at all)."""
-        assert self.sink is not None
-        req_id = rec.spec.req_id
-        self._recvs.pop(req_id, None)
-        self._faults.forget(req_id)
-        if error is not None:
-            if outcome == "failed":
-                logger.error("LynxConnector: KV load for request %s failed: %s", req_id, error)
-                self.stats.record_failure("integrity" if error.startswith("integrity check failed") else "load")
-            else:
-                logger.info("LynxConnector: KV load for request %s stopped: %s", req_id, error)
-            self.sink.abort(req_id)
-            if outcome == "aborted":
-                self._finished_recving.add(req_id)  # (again, if the anchor was reported): vLLM frees the blocks
-                rec.reported = True
-            elif outcome == "cancelled":
-                rec.reported = True  # preempted: its blocks are gone, nothing to report
-            elif not rec.reported or req_id in self._finished_recving:
-                # Not reported yet, or the anchor was reported in this same step (not yet seen by the
-                # scheduler): a plain load failure, vLLM's kv_load_failure_policy applies.
-                self._failed_recving.add(req_id)
-            elif get_mode(rec.spec.mode).late_residual:
-                self._residual_failed.add(req_id)  # running on its anchor: the Lynx scheduler applies the policy
-        else:
-            self.stats.record_request(time.perf_counter() - rec.t_start)
-        if not rec.reported:
-            rec.reported = True
-            self._finished_recving.add(req_id)
-        self.sink.release(req_id)
-        self.sink.pool.free_request(req_id)
-
-    def take_results(self) -> tuple[set[str], set[str]]:
-        done, failed = self._finished_recving, self._failed_recving
-        self._finished_recving, self._failed_recving = set(), set()
-        return done, failed
-
-    def take_worker_meta(self) -> LynxWorkerMeta | None:
-        if not self._merged and not self._residual_failed:
-            return None
-        merged, failed = self._merged, self._residual_failed
-        self._merged, self._residual_failed = set(), set()
-        return LynxWorkerMeta(residual_merged=merged, residual_failed=failed)
+        self._poll_recvs()
 
     def shutdown(self) -> None:
         for rec in list(self._recvs.values()):
