@@ -199,6 +199,7 @@ class LynxConnectorScheduler:
             if mode is not None:
                 self._save_tracked[request.request_id] = request
                 self._save_mode[request.request_id] = mode
+                self._faults.on_pull(request.request_id, params)  # test hooks of P's encode (kv_range)
             return
         remote = self._remote_prefill(request)
         if remote is None:

@@ -21,8 +21,8 @@ _LIST_KEYS = ("anchor_bytes", "anchor_s", "residual_bytes", "residual_s", "reque
               "spec_stop_first_token_mismatch")
 #: Why a request's transfer failed (the ``reason`` label of ``vllm:lynx_failed_transfers``): D could not load it
 #: (peer, transfer or deadline), D's integrity check refused it, no staging in time on P or D, too large for
-#: P's pool, P's KV not finite, P could not encode it.
-FAILURE_REASONS = ("load", "integrity", "stage", "too_large", "nonfinite", "encode")
+#: P's pool, P's KV not finite, P's KV beyond the codec's range (|x| > 65504), P could not encode it.
+FAILURE_REASONS = ("load", "integrity", "stage", "too_large", "nonfinite", "range", "encode")
 _COUNT_KEYS = tuple(f"failed_{r}" for r in FAILURE_REASONS)
 #: Refused kv_transfer_params by reason (the scheduler half: lynx_connector/signing.py); not transfer failures.
 _REFUSED_KEYS = tuple(f"refused_{r}" for r in REFUSAL_REASONS)

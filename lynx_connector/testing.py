@@ -13,9 +13,12 @@ Two sources of faults:
   speculation window deterministic), ``{"corrupt_residual": true}`` flips the residual's bits before the merge
   (after its checksum), ``{"fail_residual": true}`` reports the residual stream as failed when it lands,
   ``{"flip_bit": {"plane": "anchor"|"residual", "layer": L, "byte": B, "bit": b}}`` flips one bit of layer L's
-  plane in D's staging right after the READ lands, before the checksum (a corrupted transfer).
+  plane in D's staging right after the READ lands, before the checksum (a corrupted transfer); on P,
+  ``{"kv_range": true}`` writes 7e4 (beyond fp16's 65504, the codec's range) into the request's first K value
+  of layer 0 in P's real KV cache just before it is encoded (data the codec cannot encode).
 
-Path of a per-request hook: the scheduler half parses it when the pull starts (``on_pull``), sends it to the
+Path of a per-request hook: the scheduler half parses it when the pull (D) or the save (P) starts
+(``on_pull``), sends it to the
 worker in ``LynxConnectorMetadata.test_hooks`` (``take_outgoing``); the worker half tracks it for the life of
 the pull (``track`` / ``forget``) and asks at the points where a fault can bite (``residual_error``,
 ``flip_bit``, ``corrupt``, ``defer_merge`` / ``due_merges``).
@@ -36,7 +39,10 @@ TEST_HOOKS_ENV = "LYNX_TEST_HOOKS"
 TEST_HOOKS_PARAM = "lynx_test_hooks"
 #: Accepted values of the ``fault_injection`` config key (besides none).
 FAULT_INJECTIONS = ("corrupt_residual",)
-_HOOK_KEYS = {"delay_residual_steps": int, "corrupt_residual": bool, "fail_residual": bool, "flip_bit": dict}
+_HOOK_KEYS = {"delay_residual_steps": int, "corrupt_residual": bool, "fail_residual": bool, "flip_bit": dict,
+              "kv_range": bool}
+#: The value the ``kv_range`` hook writes: finite in fp32/bf16 caches, beyond the codec's fp16 range.
+OUT_OF_RANGE = 7.0e4
 
 
 def _flip_bit(raw: dict[str, Any]) -> dict[str, Any] | None:
@@ -85,7 +91,8 @@ class FaultHooks:
 
     # ---- scheduler half ---------------------------------------------------------------------------------
     def on_pull(self, req_id: str, params: dict[str, Any]) -> None:
-        """A pull starts for ``req_id``: note the hooks its kv_transfer_params carry (if honoured)."""
+        """A pull (D) or a save (P) starts for ``req_id``: note the hooks its kv_transfer_params carry (if
+        honoured)."""
         hooks = parse_test_hooks(req_id, params)
         if hooks:
             self._outgoing[req_id] = hooks
@@ -109,6 +116,15 @@ class FaultHooks:
         if self._hooks.get(req_id, {}).get("fail_residual"):
             return "residual stream failed (test hook fail_residual)"
         return None
+
+    def out_of_range_kv(self, req_id: str, kv: Any, layout: Any, block_ids: list[int], num_tokens: int) -> None:
+        """P, hook ``kv_range``: put a value beyond the codec's range into the request's first K of this layer
+        (``kv``, layer 0) in P's KV cache, just before the encode; the hook is used up."""
+        if not self._hooks.pop(req_id, {}).get("kv_range"):
+            return
+        k, v = layout.gather(kv, block_ids, num_tokens)
+        k.view(-1)[0] = OUT_OF_RANGE
+        layout.scatter(kv, block_ids, num_tokens, k, v)
 
     def flip_bit(self, req_id: str, stream: str) -> tuple[int, int, int] | None:
         """``(layer, byte, bit)`` of the bit to flip in the plane ``stream`` that has just landed, if any."""

@@ -19,6 +19,7 @@ import torch
 
 from lynx_connector.codec import (
     KVLayout,
+    KVRangeError,
     NonFiniteKVError,
     StagedLayout,
     encode,
@@ -157,6 +158,7 @@ class LynxConnectorWorker(ReceiveHalf):
             self.saves.abort(req_id)
         self.saves.retry()  # room freed since the last step goes to the requests already waiting, in order
         for spec in meta.reqs_to_save:
+            self._faults.track(spec.req_id, meta.test_hooks.get(spec.req_id))
             self.saves.submit(spec)
 
     def _encode_request(self, spec: SaveSpec) -> None:
@@ -178,6 +180,7 @@ class LynxConnectorWorker(ReceiveHalf):
                                    token=spec.token or None)
         sid = staging_id(self.source.ticket(spec.req_id)[0], staged.generation)  # seeds the checksums
         try:
+            self._faults.out_of_range_kv(spec.req_id, self.layers[0][1], self.layout, spec.block_ids, spec.num_tokens)
             for i, (name, kv) in enumerate(self.layers):
                 encode(codec, kv, spec.block_ids, self.layout, spec.num_tokens,
                        sl.anchor.plane(staged.anchor, i), sl.residual.plane(staged.residual, i) if r else None,
@@ -185,10 +188,12 @@ class LynxConnectorWorker(ReceiveHalf):
                 sl.anchor.seal(staged.anchor, i, sid)  # checksums right after the layer is encoded
                 if r:
                     sl.residual.seal(staged.residual, i, sid)
-        except NonFiniteKVError as exc:
+        except (NonFiniteKVError, KVRangeError) as exc:  # the data, not P: only this request fails, D hears why
+            bad = "nonfinite" if isinstance(exc, NonFiniteKVError) else "range"
+            what = "is not finite" if bad == "nonfinite" else "is beyond the codec's range (|x| <= 65504)"
             logger.error("LynxConnector: request %s not sent: %s", spec.req_id, exc)
-            self.source.reject(spec.req_id, "nonfinite_kv", f"P's KV of the request is not finite: {exc}")
-            self.stats.record_failure("nonfinite")
+            self.source.reject(spec.req_id, f"{bad}_kv", f"P's KV of the request {what}: {exc}")
+            self.stats.record_failure(bad)
             return
         except Exception as exc:  # a bug or bad input must fail this request, not P's engine
             logger.exception("LynxConnector: encoding request %s failed", spec.req_id)

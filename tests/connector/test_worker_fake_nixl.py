@@ -5,6 +5,7 @@ tests/integration."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -457,3 +458,29 @@ def test_a_peer_without_the_same_integrity_format_fails_the_handshake(pair, capl
     assert any("incompatible peer" in r.getMessage() and "integrity: ours='none'" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert d.sink.pool.regions_live == 0 and d._recvs == {}
+
+
+@pytest.mark.parametrize("mode", ["full", "int8", "int4"])
+def test_p_kv_beyond_the_codecs_range_fails_that_request_only(pair, monkeypatch, mode):
+    """|x| > 65504 in P's KV (the test hook kv_range writes 7e4 into P's cache of that request): the real codec
+    raises KVRangeError in P's encode; P rejects only that request ('range_kv'), D fails it at once (no wait for
+    timeout_s) by the failure policy, a request encoded beside it lands, both sides end idle."""
+    monkeypatch.setenv("LYNX_TEST_HOOKS", "1")
+    make, _ = pair
+    (p, _), (d, _) = make("kv_producer"), make("kv_consumer")
+    errors = load_errors(d)
+    p.save(LynxConnectorMetadata(reqs_to_save=[SaveSpec(req_id="p2", block_ids=P_BLOCKS, num_tokens=N, mode=mode)]))
+    # the hook writes into P's cache, which p2 shares here: p2 was encoded just before
+    tid, tok = mint_ticket()  # minted by P's scheduler half, as in production (D presents them)
+    p.save(LynxConnectorMetadata(reqs_to_save=[SaveSpec(req_id="p1", block_ids=P_BLOCKS, num_tokens=N, mode=mode,
+                                                        transfer_id=tid, token=tok)],
+                                 test_hooks={"p1": {"kv_range": True}}))
+    assert p.stats.data["failed_range"] == 1 and p.source.stats()["rejected"] == 1
+    t0 = time.monotonic()
+    d1 = dataclasses.replace(recv_spec(p, mode, "d1", "p1"), transfer_id=tid, token=tok)
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[d1, recv_spec(p, mode, "d2", "p2")]))
+    done, failed = results_until([p, d], d, lambda done, failed: {"d1", "d2"} <= done)
+    assert failed == {"d1"} and time.monotonic() - t0 < 5.0
+    assert "range_kv" in errors["d1"] and "65504" in errors["d1"], errors["d1"]
+    assert errors["d2"] is None
+    assert_staging_freed(p, d)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.integration.engines import EngineProcess, lynx_kv_config
+from tests.integration.engines import SPEC_ENV, EngineProcess, lynx_kv_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -40,7 +40,7 @@ def engines(model):
     """P, D and a plain local engine; started together (each start is mostly model loading)."""
     started = []
     try:
-        p = EngineProcess(model, lynx_kv_config("full"), cpu="0")
+        p = EngineProcess(model, lynx_kv_config("full"), cpu="0", env=SPEC_ENV)  # P's test hook kv_range
         started.append(p)
         d = EngineProcess(model, lynx_kv_config("full"), cpu="1")
         started.append(d)
@@ -139,6 +139,29 @@ def test_corrupted_residual_changes_the_output(model, engines, prompts):
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_kv_beyond_the_codecs_range_fails_that_request_only(engines, prompts):
+    """|x| > 65504 in P's KV of one request (test hook kv_range: 7e4 written into its first K of layer 0 in P's
+    real cache, right before the encode): the real codec raises KVRangeError inside P's save; P rejects only that
+    request, D hears P's reason ('range_kv') at its first query and fails it by the policy ('fail') at once, not
+    after timeout_s (20 s); the request prefilled in the same batch is answered, and P and D keep serving. P's
+    prefix caching is off (EngineProcess), so the altered blocks serve nobody else."""
+    from lynx_connector.lab.data import needle_found
+
+    p, d, _ = engines
+    bad, good = prompts[0].token_ids[:-40] + prompts[0].token_ids[-1:], prompts[1].token_ids  # bad: its own prompt
+    pre = p.generate([bad, good], [{"do_remote_decode": True, "lynx_test_hooks": {"kv_range": True}},
+                                   {"do_remote_decode": True}], max_tokens=1)
+    params = [o["kv_transfer_params"] for o in pre]
+    assert all(pp and pp.get("do_remote_prefill") for pp in params), params
+    t0 = time.monotonic()
+    out = d.generate([bad, good], params, max_tokens=MAX_TOKENS, timeout=120)
+    assert time.monotonic() - t0 < 10, "D heard P's reason at once, not at its 20 s timeout"
+    assert out[0]["finish_reason"] == "error" and out[0]["token_ids"] == [], out[0]
+    assert needle_found(prompts[1].answer, out[1]["text"]), out[1]["text"]
+    again, _ = run_pd(p, d, prompts[1:], "full")  # both engines still serve
+    assert needle_found(prompts[1].answer, again[0]["text"]), again[0]["text"]
+
+
 def test_vanished_prefill_ends_in_the_failure_policy(model, prompts, policy):
     from lynx_connector.lab.data import needle_found
 
