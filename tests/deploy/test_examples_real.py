@@ -112,6 +112,24 @@ def _pids_in_group(pgid: int) -> list[int]:
     return out
 
 
+def _kill_leftover_groups(groups: list[int]) -> None:
+    """After a failed test: SIGKILL what is left of the servers' process groups (only processes of this
+    project's servers: a command line naming lynx or vLLM)."""
+    for g in groups:
+        mine = []
+        for pid in _pids_in_group(g):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            mine.append("lynx" in cmd or "vllm" in cmd.lower())
+        if any(mine):  # a group led by one of the servers (its children: engine, workers, resource tracker)
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 def _assert_gone(pids: list[int], within: float = 30.0) -> None:
     end = time.monotonic() + within
     while any(_alive(p) for p in pids) and time.monotonic() < end:
@@ -182,7 +200,7 @@ def test_example_script_for_real(model: str, tmp_path: Path) -> None:
         os.killpg(proc.pid, signal.SIGTERM)  # the script's own group: bash (its trap) and nothing else
         assert proc.wait(60) == 143
         _assert_gone(pids)
-    finally:
+    finally:  # on a failure too: the script's trap stops its servers on SIGTERM; whatever is left is killed
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -190,6 +208,7 @@ def test_example_script_for_real(model: str, tmp_path: Path) -> None:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+        _kill_leftover_groups([int(m) for m in re.findall(r"\[1p1d\] \w+ pid (\d+)", "".join(out))])
 
 
 def _block_size_mismatch_is_named(model: str, p_url: str, p_log: Path, key: str, tmp_path: Path) -> None:
@@ -295,9 +314,9 @@ def test_launcher_command_line_for_real(model: str, tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "lynx_connector.lab.launch", model, "--log-dir",
                              str(tmp_path / "logs")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
+    out: list[str] = []
     try:
         deadline = time.monotonic() + STARTUP_S + 60
-        out = []
         url = None
         for line in proc.stdout:  # type: ignore[union-attr]
             out.append(line)
@@ -322,7 +341,12 @@ def test_launcher_command_line_for_real(model: str, tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0
         _assert_gone(pids)
-    finally:
+    finally:  # on a failure too: the launcher tears its servers down on SIGTERM; whatever is left is killed
         if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        _kill_leftover_groups([int(p) for p in re.findall(r"^\w+ at http://\S+ \(pid (\d+),", "".join(out), re.M)])
