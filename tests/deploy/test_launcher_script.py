@@ -116,7 +116,7 @@ def test_server_dying_at_startup_fails_fast_and_cleans_up(tmp_path: Path) -> Non
 def test_servers_get_the_launchers_arguments_and_environment(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """One builder: the script starts P and D with lynx_connector.lab.launch's serve_args and server_env
-    (CPU defaults: block size 32, VLLM_CPU_KVCACHE_SPACE) that the demo and the benches use."""
+    (CPU defaults: block size 32, LYNX_SERVERS_PER_DEVICE=2) that the demo and the benches use."""
     import shlex
 
     from lynx_connector.lab.launch import SERVER_ENV, serve_args, server_env
