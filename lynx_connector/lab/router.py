@@ -15,6 +15,7 @@ added P runs exactly like ``Deployment``'s (same arguments, environment and side
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -74,3 +75,16 @@ def add_prefill(dep: Deployment, name: str, model: str, kv_transfer_config: str,
                     env={**server_env("prefill"), "LYNX_SIDE_CHANNEL_KEY": dep.side_channel_key})
     dep.servers.insert(dep.servers.index(dep.prefill) + 1, server)
     return server
+
+
+def wait_healthy(server: Server, timeout: float = 60.0) -> None:
+    """Wait until ``server`` (started) answers /health; raise with its log tail if it exits or times out."""
+    deadline = time.monotonic() + timeout
+    while not server.healthy():
+        if server.proc is not None and server.proc.poll() is not None:
+            raise RuntimeError(f"{server.name} exited with code {server.proc.returncode} during start-up; last log "
+                               f"lines ({server.log_path}):\n{server.log_tail()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{server.name} not healthy after {timeout:.0f} s; log {server.log_path}:\n"
+                               f"{server.log_tail()}")
+        time.sleep(0.5)

@@ -132,7 +132,7 @@ def _settled(servers, before: dict, expected_prompt_tokens: int, timeout: float 
 def stack(tmp_path_factory):
     from lynx_connector.lab.launch import Deployment
     from lynx_connector.lab.models import is_prepared, model_dir
-    from lynx_connector.lab.router import add_prefill, router_installed, router_server
+    from lynx_connector.lab.router import add_prefill, router_installed, router_server, wait_healthy
 
     if not is_prepared():
         pytest.skip("the real model is not prepared (scripts/setup_env.sh prepares it)")
@@ -153,7 +153,8 @@ def stack(tmp_path_factory):
         for r in routers.values():
             stack.callback(r.stop)
             r.start()
-        dep._wait_healthy(list(routers.values()), 120)
+        for r in routers.values():
+            wait_healthy(r, 120)
         yield {"dep": dep, "p2": p2, "routers": routers, "model": model}
 
 
