@@ -7,7 +7,8 @@ computed none of the prompt tokens itself (vLLM's `vllm:prompt_tokens_by_source_
 move, `external_kv_transfer` grew by exactly the batch's prompt tokens) and pulled both Lynx planes
 (`vllm:lynx_transfer_bytes_total` anchor and residual); the P servers the router was given did the prefills
 (with 2P1D both of them, together exactly the batch's prompt tokens). One Deployment serves all of it: P1, D
-and the proxy, plus a second P and two routers (one with P1 only, one with both Ps)."""
+and the proxy, plus a second P and two routers (one with P1 only, one with both Ps), all in the speculative mode
+that examples/k8s/xpyd.yaml deploys."""
 
 from __future__ import annotations
 
@@ -140,7 +141,7 @@ def stack(tmp_path_factory):
         pytest.fail("vllm-router is not installed: scripts/setup_env.sh installs it with the dev extra")
     model = str(model_dir())
     logs = tmp_path_factory.mktemp("router")
-    cfg = "lynx"  # the preset: mode full
+    cfg = "lynx:speculative"  # what examples/k8s/xpyd.yaml deploys; pulls anchor and residual like full
     dep = Deployment(model, logs, kv_transfer_config=cfg, max_model_len=1024)
     p2 = add_prefill(dep, "prefill-2", model, cfg, max_model_len=1024)
     with dep, contextlib.ExitStack() as stack:
