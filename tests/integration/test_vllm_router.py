@@ -211,10 +211,11 @@ def test_2p1d_behind_vllm_router(stack, reference):
 def test_vllm_router_replaces_the_clients_kv_transfer_params(stack):
     """What docs/OPERATIONS.md says of this router: it sends P its own kv_transfer_params, so a client's
     `lynx_mode` never reaches P and the servers' default mode (here full: anchor and residual) applies. Through
-    `lynx proxy` the same request is served in the mode it names (int8: one plane, no residual)."""
+    `lynx proxy` the same request is served in the mode it names (bf16, one of the default `allowed_modes`: one
+    plane, no residual)."""
     servers = _servers(stack)
     body = {"model": stack["model"], "prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0,
-            "kv_transfer_params": {"lynx_mode": "int8"}}
+            "kv_transfer_params": {"lynx_mode": "bf16"}}
     for url, residual_expected in ((stack["routers"]["1p1d"].url, True), (stack["dep"].url, False)):
         before = {s.name: _metrics(s) for s in servers.values()}
         status, raw = _post(url + "/v1/completions", body)
