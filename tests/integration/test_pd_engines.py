@@ -138,7 +138,6 @@ def test_corrupted_residual_changes_the_output(model, engines, prompts):
     assert bad[0]["logprobs"] != ok[0]["logprobs"]
 
 
-@pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_kv_beyond_the_codecs_range_fails_that_request_only(engines, prompts):
     """|x| > 65504 in P's KV of one request (test hook kv_range: 7e4 written into its first K of layer 0 in P's
     real cache, right before the encode): the real codec raises KVRangeError inside P's save; P rejects only that
@@ -162,6 +161,7 @@ def test_kv_beyond_the_codecs_range_fails_that_request_only(engines, prompts):
     assert needle_found(prompts[1].answer, again[0]["text"]), again[0]["text"]
 
 
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_vanished_prefill_ends_in_the_failure_policy(model, prompts, policy):
     from lynx_connector.lab.data import needle_found
 
