@@ -17,15 +17,6 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def model():
-    from lynx_connector.lab.models import is_prepared, model_dir
-
-    if not is_prepared():
-        pytest.skip("the real model is not prepared (scripts/setup_env.sh prepares it)")
-    return str(model_dir())
-
-
-@pytest.fixture(scope="module")
 def prompts(model):
     from transformers import AutoTokenizer
 

@@ -28,15 +28,6 @@ ALLOWED = "full,speculative,bf16,int8"
 
 
 @pytest.fixture(scope="module")
-def model():
-    from lynx_connector.lab.models import is_prepared, model_dir
-
-    if not is_prepared():
-        pytest.skip("the real model is not prepared (scripts/setup_env.sh prepares it)")
-    return str(model_dir())
-
-
-@pytest.fixture(scope="module")
 def prompts(model):
     """Four essay windows of 10 blocks + 1 token, with no common prefix (so prefix-cache hits are the test's)."""
     from transformers import AutoTokenizer
