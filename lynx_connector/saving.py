@@ -56,6 +56,11 @@ class SaveQueue:
         self._resolved.add(req_id)
 
     def _try(self, spec: SaveSpec) -> bool:
+        if self._source.take_abandoned(spec.req_id):  # D gave up while it waited for room: nothing to stage
+            logger.info("LynxConnector: request %s not staged: its decode instance gave up on it while it waited "
+                        "for room", spec.req_id)
+            self._resolved.add(spec.req_id)
+            return True
         try:
             self._stage(spec)
         except StagingFullError:

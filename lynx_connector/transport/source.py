@@ -88,6 +88,7 @@ class TransferSource(SideChannelServer):
         self._by_tid: dict[str, str] = {}  # transfer_id -> req_id
         self._rejected: dict[str, tuple[str, str, float, str]] = {}  # transfer_id -> (code, message, forget at, token)
         self._freed: list[str] = []
+        self._abandoned: OrderedDict[str, None] = OrderedDict()  # expected requests D gave up on (take_abandoned)
         self._sessions: OrderedDict[bytes, Session] = OrderedDict()  # zmq identity -> session (service thread)
         self._pending: OrderedDict[bytes, Pending] = OrderedDict()  # zmq identity -> handshake in progress
         self._log = RateLimitedLog()
@@ -220,6 +221,15 @@ class TransferSource(SideChannelServer):
         """Free a request's staging now; False if it had none."""
         return self._free(req_id, "abort")
 
+    def take_abandoned(self, req_id: str) -> bool:
+        """True (once) when D's Done for an expected request came before it was staged: D gave up on it (its own
+        deadline), so staging it later would only hold the pool until the lease."""
+        with self._lock:
+            if req_id not in self._abandoned:
+                return False
+            del self._abandoned[req_id]
+            return True
+
     def poll(self) -> list[str]:
         """Request ids freed since the last poll (done, lease or abort)."""
         with self._lock:
@@ -261,6 +271,10 @@ class TransferSource(SideChannelServer):
             self._by_tid.pop(entry.transfer_id, None)
             self._freed.append(req_id)
             self.counters[f"freed_{why}"] += 1
+            if why == "done" and entry.staged is None:  # D gave up before P had room: P must not stage it later
+                self._abandoned[req_id] = None
+                if len(self._abandoned) > MAX_REJECTED:
+                    self._abandoned.popitem(last=False)
         if entry.staged is not None:  # a D may still be reading (lease over, or aborted after Regions): not reused
             reading = why == "lease" or (why == "abort" and entry.owner is not None)  # for a while
             self.pool.free_request(req_id, self.config.lease_grace_s if reading else 0.0)

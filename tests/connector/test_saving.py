@@ -93,3 +93,21 @@ def test_abort_while_waiting_releases(source) -> None:
     assert q.waiting == 0 and staged == ["a"]
     assert q.finished_sending({"a", "b"}) == {"a", "b"}
     assert source.stats()["requests_live"] == 1  # only a's staging
+
+
+def test_a_request_d_gave_up_on_while_it_waited_is_not_staged_later(source) -> None:
+    """D's deadline passed while P waited for room, and D's Done (here its NIXL notification) freed the expected
+    request: when room comes, P must not stage it (nobody would pull it: it would hold the pool until the lease,
+    and a full pool then stalls every request behind it)."""
+    q, staged, rejected, clock = make(source, {"a": 60000, "b": 30000})
+    q.submit(spec("a"))
+    q.submit(spec("b"))
+    assert staged == ["a"] and q.waiting == 1
+    tid, tok = source.ticket("b")
+    source._notified_done(f"{tid}:{tok}")  # D gave up on b
+    source.abort("a")  # room again
+    clock.t = 1.0
+    q.retry()
+    assert staged == ["a"] and q.waiting == 0 and not rejected
+    assert q.finished_sending({"a", "b"}) == {"a", "b"}  # b's KV blocks are released on P too
+    assert source.stats()["regions_live"] == 0 and source.stats()["requests_live"] == 0
