@@ -3,9 +3,9 @@ one vLLM server. n=2 and n=4, greedy and seeded sampling, streaming and not, /v1
 /v1/chat/completions: every request answered, every child's KV pulled from P (P freed each child's staging on
 its Done, none by lease, no unknown transfer), greedy children equal the n=1 answer and sampled child i equals
 the n=1 answer with seed + i (vLLM's per-child seed), and P and D back to idle (queues, staging, KV blocks)
-well before P's lease. A client that disconnects mid-stream, with children still queued on D, leaves nothing
-behind either. Latencies relative to n=1 are measured and written to the log folder (``fanout_latency.json``),
-not asserted. Real `lynx serve` P and D, the real model, real NIXL; one deployment for every case."""
+well before P's lease. Children a client abandons while they wait in D's queue free P's staging at once.
+Latencies relative to n=1 are measured and written to the log folder (``fanout_latency.json``), not asserted.
+Real `lynx serve` P and D, the real model, real NIXL; one deployment for every case."""
 
 from __future__ import annotations
 
@@ -161,11 +161,42 @@ def test_children_get_their_own_kv_and_answer_like_one_vllm_server(dep, endpoint
     assert "computing its prompt locally" not in dep.decode.log_path.read_text()
 
 
-def test_client_gone_with_children_queued_on_d_leaves_nothing_behind(dep):
-    """D restarted with room for 2 running requests; a client reads the first chunk of a streamed n=4 request and
-    disconnects: children 0 and 1 are aborted while decoding, 2 and 3 while still in D's queue, never scheduled
-    (their pulls never started). P's four stagings are all freed by Dones, not the lease, and all is idle."""
+def open_stream(url: str, b: dict[str, Any]) -> socket.socket:
+    """A streamed completion sent over a raw socket (so the test can drop it)."""
     from urllib.parse import urlsplit
+
+    payload = json.dumps(b).encode()
+    u = urlsplit(url)
+    sock = socket.create_connection((u.hostname, u.port), timeout=120)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+    return sock
+
+
+def first_chunk(sock: socket.socket) -> None:
+    got = b""
+    while b"data:" not in got:
+        data = sock.recv(4096)
+        assert data, f"connection closed before the first chunk: {got[:300]!r}"
+        got += data
+
+
+def wait_gauge(url: str, key: str, pred, what: str, timeout: float = 60.0) -> None:
+    from lynx_connector.lab.bench.load import scrape_gauges
+
+    end = time.monotonic() + timeout
+    while not pred(scrape_gauges(url).get(key, 0)):
+        assert time.monotonic() < end, what
+        time.sleep(0.2)
+
+
+def test_children_aborted_in_ds_queue_free_ps_staging_at_once(dep):
+    """D restarted with room for 2 running requests, both taken by a long n=2 stream through the proxy. An n=4
+    request prefilled on P (its 4 children staged) is sent to D (as a router does), waits in D's queue (vLLM
+    matches no KV while all run slots are taken: no pull starts) and its client disconnects: D aborts the 4
+    children unscheduled and its scheduler half has P's 4 stagings freed by Dones at once, not at the lease,
+    while the occupant still runs. Then the occupant's client goes too; everything is idle."""
+    from lynx_connector.proxy import build_prefill_request
 
     t_restart = time.time()
     dep.restart_decode(dep.kv_config, log_path=dep.log_dir / "decode-2seqs.log", extra_args=["--max-num-seqs", "2"])
@@ -174,16 +205,21 @@ def test_client_gone_with_children_queued_on_d_leaves_nothing_behind(dep):
             path.unlink()
     assert_idle(dep)
     before = source_counters(dep.status_dir)
-    payload = json.dumps(body("completions", dep.model, 4, SEED, True) | {"max_tokens": 1500}).encode()
-    u = urlsplit(dep.url)
-    with socket.create_connection((u.hostname, u.port), timeout=120) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
-        got = b""
-        while b"data:" not in got:
-            data = sock.recv(4096)
-            assert data, f"connection closed before the first chunk: {got[:300]!r}"
-            got += data
+    long = body("completions", dep.model, 2, SEED, True) | {"max_tokens": 1500}
+    with open_stream(dep.url, long) as occupant:
+        first_chunk(occupant)  # both of D's run slots taken
+        queued = body("completions", dep.model, 4, SEED, True) | {"max_tokens": 1500}
+        req = urllib.request.Request(dep.prefill.url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps(build_prefill_request(queued, chat=False)).encode())
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            params = json.loads(resp.read())["kv_transfer_params"]
+        with open_stream(dep.decode.url, queued | {"kv_transfer_params": params}):
+            wait_gauge(dep.decode.url, "waiting", lambda v: v >= 4, "the 4 children never queued on D")
+        wait_gauge(dep.decode.url, "waiting", lambda v: v == 0, "D did not abort the queued children")
+        end = time.monotonic() + IDLE_WITHIN_S
+        while source_counters(dep.status_dir)["freed_done"] - before["freed_done"] < 4:  # with the occupant on
+            assert time.monotonic() < end, f"P's stagings not freed: {source_counters(dep.status_dir)}"
+            time.sleep(0.5)
     assert_idle(dep)
     delta = {k: v - before.get(k, 0) for k, v in source_counters(dep.status_dir).items()}
-    assert delta["freed_lease"] == 0 and delta["freed_done"] == 4, delta
+    assert delta["freed_lease"] == 0 and delta["freed_done"] == 6, delta
