@@ -1,15 +1,3 @@
 """Connector tests: every worker reads the side-channel key at start-up, so each test gets a fresh one."""
 
-from __future__ import annotations
-
-import secrets
-
-import pytest
-
-
-@pytest.fixture(autouse=True)
-def side_channel_key(monkeypatch: pytest.MonkeyPatch) -> str:
-    key = secrets.token_hex(32)
-    monkeypatch.delenv("LYNX_SIDE_CHANNEL_KEY_FILE", raising=False)
-    monkeypatch.setenv("LYNX_SIDE_CHANNEL_KEY", key)
-    return key
+from tests.side_channel_key import side_channel_key  # noqa: F401  (an autouse fixture)
