@@ -240,3 +240,40 @@ def test_local_compute_counts_a_prompt_d_computes_itself(stack):
     b, a = before["decode"], after["decode"]
     assert _delta(b, a, "vllm:prompt_tokens_by_source_total", "local_compute") == prompt_tokens > 0
     assert _delta(b, a, "vllm:prompt_tokens_by_source_total", "external_kv_transfer") == 0
+
+
+@pytest.mark.parametrize("n, stream", [(2, False), (4, True)])
+def test_n_children_behind_vllm_router(stack, n, stream):
+    """n > 1 behind vllm-router (issue 18.1): the router forwards n to P, P stages each child and lists them in
+    its params (lynx_children), the router relays them to D, and every D child pulls its own P child: all n
+    answered like through `lynx proxy` (greedy: top_k=1, as vLLM refuses n > 1 at temperature 0), D computes no
+    prompt token itself."""
+    servers = _servers(stack)
+    body = {"model": stack["model"], "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "n": n, "temperature": 1.0,
+            "top_k": 1, "stream": stream}
+
+    def texts(url: str) -> list[str]:
+        status, raw = _post(url + "/v1/completions", body)
+        assert status == 200, (status, raw[:500])
+        if not stream:
+            return sorted(c["text"] for c in json.loads(raw)["choices"])
+        out = [""] * n
+        for line in raw.decode().splitlines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                for c in json.loads(line[5:]).get("choices", []):
+                    out[c["index"]] += c.get("text") or ""
+        return sorted(out)
+
+    before = {s.name: _metrics(s) for s in servers.values()}
+    routed = texts(stack["routers"]["1p1d"].url)
+    b = before["decode"]
+    deadline = time.monotonic() + 30
+    while (a := _metrics(servers["decode"])) and _delta(b, a, "vllm:prompt_tokens_by_source_total",
+                                                        "external_kv_transfer") <= 0:
+        assert time.monotonic() < deadline, "D never counted the children's pulled prompt tokens"
+        time.sleep(0.5)
+    time.sleep(2.0)  # every child's stats, not only the first's
+    a = _metrics(servers["decode"])
+    assert _delta(b, a, "vllm:prompt_tokens_by_source_total", "local_compute") == 0  # every child pulled its KV
+    assert len(routed) == n and all(t.strip() for t in routed), routed
+    assert routed == texts(stack["dep"].url)  # the same children through lynx proxy
