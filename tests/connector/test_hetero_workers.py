@@ -15,9 +15,7 @@ from lynx_connector.codec import KVLayout, decode_anchor, encode, get_codec, mer
 from lynx_connector.config import LynxConfig
 from lynx_connector.metadata import LynxConnectorMetadata, RecvSpec, SaveSpec
 from lynx_connector.modes import MODE_NAMES, get_mode
-from lynx_connector.transport import TransferSink, TransferSource
-from tests.connector.test_worker_fake_nixl import load_errors, poll_until, results_until
-from tests.transport.fakes import FakeFabric, FakeNixlWrapper
+from tests.connector.test_worker_fake_nixl import load_errors, poll_until, results_until, use_fake_nixl
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,11 +29,7 @@ def blocks(bs: int) -> int:
 
 @pytest.fixture
 def make(monkeypatch):
-    fabric = FakeFabric()
-    monkeypatch.setattr(worker_mod, "TransferSource", lambda cfg, compat, name=None, **kw: TransferSource(
-        cfg, compat, nixl=FakeNixlWrapper(fabric, name), name=name, **kw))
-    monkeypatch.setattr(worker_mod, "TransferSink", lambda cfg, compat, name=None, **kw: TransferSink(
-        cfg, compat, nixl=FakeNixlWrapper(fabric, name), name=name, **kw))
+    use_fake_nixl(monkeypatch)
     made = []
 
     def build(role: str, bs: int, dtype: torch.dtype):

@@ -41,13 +41,19 @@ def vcfg(role: str) -> SimpleNamespace:
                            cache_config=SimpleNamespace(block_size=BS), model_config=SimpleNamespace(model="tiny"))
 
 
-@pytest.fixture
-def pair(monkeypatch):
+def use_fake_nixl(monkeypatch) -> FakeFabric:
+    """The workers' transport endpoints are the real ones, over one fake NIXL fabric."""
     fabric = FakeFabric()
     monkeypatch.setattr(worker_mod, "TransferSource", lambda cfg, compat, name=None, **kw: TransferSource(
         cfg, compat, nixl=FakeNixlWrapper(fabric, name), name=name, **kw))
     monkeypatch.setattr(worker_mod, "TransferSink", lambda cfg, compat, name=None, **kw: TransferSink(
         cfg, compat, nixl=FakeNixlWrapper(fabric, name), name=name, **kw))
+    return fabric
+
+
+@pytest.fixture
+def pair(monkeypatch):
+    fabric = use_fake_nixl(monkeypatch)
     made = []
 
     def make(role: str, **extra):
