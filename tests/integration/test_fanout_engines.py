@@ -30,18 +30,14 @@ LATENCY: dict[str, Any] = {}
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory):
+def dep(tmp_path_factory, model):
     from lynx_connector.lab.launch import Deployment
-    from lynx_connector.lab.models import is_prepared, model_dir
-
-    if not is_prepared():
-        pytest.skip("the real model is not prepared (scripts/setup_env.sh prepares it)")
     logs = tmp_path_factory.mktemp("fanout")
     status = logs / "status"
     cfg = json.dumps({"kv_connector": "lynx", "kv_load_failure_policy": "fail",
                       "kv_connector_extra_config": {"lease_s": LEASE_S, "status_dir": str(status)}})
-    with Deployment(str(model_dir()), logs, kv_transfer_config=cfg, max_model_len=2048) as d:
-        d.status_dir, d.model, d.kv_config = status, str(model_dir()), cfg
+    with Deployment(model, logs, kv_transfer_config=cfg, max_model_len=2048) as d:
+        d.status_dir, d.model, d.kv_config = status, model, cfg
         yield d
     (logs / "fanout_latency.json").write_text(json.dumps(LATENCY, indent=1))
     print("fan-out latency (s), n=1 next to n=k:", json.dumps(LATENCY))

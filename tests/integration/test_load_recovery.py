@@ -33,20 +33,16 @@ def kv_config(side_port: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def dep(tmp_path_factory):
+def dep(tmp_path_factory, model):
     from lynx_connector.lab.launch import Deployment, free_port
-    from lynx_connector.lab.models import is_prepared, model_dir
-
-    if not is_prepared():
-        pytest.skip("the real model is not prepared (scripts/setup_env.sh prepares it)")
     logs = tmp_path_factory.mktemp("load")
     status = logs / "status"
     p_cfg = kv_config(free_port()).replace("STATUS", str(status))  # P's side channel on a fixed port (restarts)
     d_cfg = kv_config(0).replace("STATUS", str(status))  # D binds its own (unused) source on a free one
-    with Deployment(str(model_dir()), logs, kv_transfer_config=p_cfg, max_model_len=2048,
+    with Deployment(model, logs, kv_transfer_config=p_cfg, max_model_len=2048,
                     extra_serve_args=["--max-num-seqs", "4"], decode_serve_args=["--kv-transfer-config", d_cfg],
                     proxy_args=["--max-inflight", "12"]) as d:
-        yield Pair(d, status, str(model_dir()))
+        yield Pair(d, status, model)
 
 
 @dataclass

@@ -14,16 +14,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+def deployment(tmp_path_factory, model):
     from lynx_connector.lab.launch import Deployment
-    from lynx_connector.lab.models import is_prepared, model_dir
-
-    if not is_prepared():
-        pytest.skip("the real model is not prepared (scripts/setup_env.sh prepares it)")
     cfg = json.dumps({"kv_connector": "lynx",
                       "kv_connector_extra_config": {"mode": "full", "link_gbps": 0.5, "lease_s": 60,
                                                     "allowed_modes": "full,speculative,bf16,int8"}})
-    with Deployment(str(model_dir()), tmp_path_factory.mktemp("servers"), kv_transfer_config=cfg,
+    with Deployment(model, tmp_path_factory.mktemp("servers"), kv_transfer_config=cfg,
                     max_model_len=4096) as dep:
         yield dep
 

@@ -130,16 +130,11 @@ def _settled(servers, before: dict, expected_prompt_tokens: int, timeout: float 
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, model):
     from lynx_connector.lab.launch import Deployment
-    from lynx_connector.lab.models import is_prepared, model_dir
     from lynx_connector.lab.router import add_prefill, router_installed, router_server, wait_healthy
-
-    if not is_prepared():
-        pytest.skip("the real model is not prepared (scripts/setup_env.sh prepares it)")
     if not router_installed():
         pytest.fail("vllm-router is not installed: scripts/setup_env.sh installs it with the dev extra")
-    model = str(model_dir())
     logs = tmp_path_factory.mktemp("router")
     cfg = "lynx:speculative"  # what examples/k8s/xpyd.yaml deploys; pulls anchor and residual like full
     dep = Deployment(model, logs, kv_transfer_config=cfg, max_model_len=1024)
