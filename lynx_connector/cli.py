@@ -24,7 +24,7 @@ from typing import Any
 
 from lynx_connector import __version__
 
-BENCH_NAMES: tuple[str, ...] = ("codec", "transfer", "e2e", "accuracy", "load")
+BENCH_NAMES: tuple[str, ...] = ("codec", "transfer", "e2e", "accuracy", "load", "order")
 PASSTHROUGH = {"serve", "vllm"}  # every argument after these goes to vLLM untouched
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from lynx_connector.transport.ranking import ORDERS
+
 __all__ = ["TransportConfig"]
 
 
@@ -42,8 +44,13 @@ class TransportConfig:
     progress_thread: NIXL's own progress thread (spins a core when idle: off by default).
     target_progress_s: without a progress thread, P pumps NIXL this often while requests are live (0 = never).
     retry_s: D re-queries a not-yet-published request after this long.
-    anchor_holdoff_s: residual chunks wait (at most this long after a pull) while a pulled request's
-        regions are still being queried, so anchors of concurrently pulled requests all go first (0 = off).
+    anchor_holdoff_s: streams other than split anchors wait (at most this long after a pull) while a split
+        (speculative) request's regions are still being queried, so its anchor goes first (0 = off).
+    order: how D ranks queued streams across requests (`ranking.py`): "srpt" (speculative anchors, then units
+        that unblock output, fewest bytes left first), "arrival" (those units in the order they became ready)
+        or "anchor_first" (the rule before issue 16: every anchor before any residual).
+    max_wait_s: age bound of the ranking: a stream queued this long goes first, oldest first (not with
+        "anchor_first").
     burst_s: token-bucket capacity in seconds of the link rate: lets the posting thread catch up after it woke
         late (on the loaded 2-core box 5 ms lost up to half the rate at 25 Gb/s; 20 ms holds >= 95%). Each
         busy period starts with one chunk of credit, so the rate over any window is <= link + one chunk.
@@ -79,6 +86,8 @@ class TransportConfig:
     target_progress_s: float = 0.005
     retry_s: float = 0.005
     anchor_holdoff_s: float = 0.02
+    order: str = "srpt"
+    max_wait_s: float = 5.0
     burst_s: float = 0.02
     max_message_bytes: int = 64 << 10
     resend_s: float = 0.5
@@ -98,8 +107,10 @@ class TransportConfig:
             raise ValueError(
                 f"TransportConfig.window_bytes ({self.window_bytes}) must be >= chunk_bytes ({self.chunk_bytes})"
             )
+        if self.order not in ORDERS:
+            raise ValueError(f"TransportConfig.order must be one of {', '.join(ORDERS)}, got {self.order!r}")
         for name in ("lease_s", "timeout_s", "retry_s", "burst_s", "resend_s", "retry_max_s", "reconnect_s",
-                     "unknown_grace_s"):
+                     "unknown_grace_s", "max_wait_s"):
             _positive_float(name, getattr(self, name))
         for name in ("target_progress_s", "anchor_holdoff_s"):
             val = getattr(self, name)

@@ -207,6 +207,7 @@ class PullState:
     pending: set[str] = field(default_factory=set)
     failed: bool = False
     done_sent: bool = False
+    order: str = "split"  # how the request's output depends on its planes (transport/ranking.py)
 
 
 class DoneCourier:

@@ -3,18 +3,18 @@
 Not thread-safe by itself: the sink's service thread owns it and calls `step()`; `step()` returns how long
 the thread may sleep before calling again (None = idle, nothing to do until new work arrives).
 
-Ordering rule: a residual chunk is posted only when no queued anchor has unposted bytes, across all
-requests (strict anchor-first), and not before `hold_residual_until` (the sink sets it while a pulled
-request's regions are still being queried, for at most `anchor_holdoff_s`, so its anchor is not overtaken by
-residuals merely because P answered late); within a queue, requests are FIFO. Chunking bounds how long a newly queued
-anchor waits behind a residual already being moved: at most the bytes in flight (<= window_bytes), and with
-cma (synchronous transfers) at most one chunk.
+Ordering rule: `lynx_connector/transport/ranking.py` (by what unblocks output: a speculative request's anchor,
+then units that each unblock output, shortest first; an age bound for every stream). Only the anchors of split
+(speculative) requests go before `hold_until` (the sink sets it while a split pull's regions are still being
+queried, for at most `anchor_holdoff_s`, so its anchor is not overtaken merely because P answered late); aged
+streams are never held. Chunking bounds how long a newly queued anchor waits behind a stream already being
+moved: at most the bytes in flight (<= window_bytes), and with cma (synchronous transfers) at most one chunk.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +24,7 @@ from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.events import ANCHOR, RESIDUAL, Stream, TransferEvent
 from lynx_connector.transport.nixl_wrapper import NixlLike
 from lynx_connector.transport.pacing import TokenBucket
+from lynx_connector.transport.ranking import EARLY, SPLIT, PullOrder, best
 
 logger = init_logger(__name__)
 
@@ -48,6 +49,11 @@ class StreamJob:
     inflight: int = 0
     finished: bool = False
     t_first_post: float | None = None
+    #: How the request's output depends on its planes (ranking.py): "split" (speculative) or "whole".
+    order: PullOrder = SPLIT
+    t_queued: float = 0.0  # set by submit
+    t_ready: float | None = None  # a split residual: when its anchor was fully posted
+    seq: int = 0  # queueing order (set by submit)
 
 
 @dataclass
@@ -84,10 +90,11 @@ class TransferScheduler:
         self._clock = clock
         self._record = record_posts
         self._max_posts = max_posts_per_step
-        self._queues: dict[str, deque[StreamJob]] = {ANCHOR: deque(), RESIDUAL: deque()}
+        self._jobs: dict[tuple[str, str], StreamJob] = {}  # (req_id, stream) -> queued or in-flight job
+        self._seq = itertools.count()
         self._inflight: list[_Inflight] = []
         self.inflight_bytes = 0
-        self.hold_residual_until = 0.0  # set by the owner: anchors it knows are coming (regions not yet known)
+        self.hold_until = 0.0  # set by the owner: split anchors it knows are coming (regions not yet known)
         self._emitted = False
         self.stats = SchedulerStats()
         rate = config.link_bytes_per_s
@@ -108,17 +115,20 @@ class TransferScheduler:
             raise ValueError(f"stream job {job.req_id}/{job.stream} has no bytes")
         if self._bucket is not None and self.idle:
             self._bucket.idle_reset(self._cfg.chunk_bytes, self._clock())
-        self._queues[job.stream].append(job)
+        if (job.req_id, job.stream) in self._jobs:
+            raise ValueError(f"stream job {job.req_id}/{job.stream} is already queued")
+        job.t_queued, job.seq = self._clock(), next(self._seq)
+        self._jobs[job.req_id, job.stream] = job
 
     def pending_requests(self) -> set[str]:
         """Requests with a stream queued or in flight."""
-        ids = {j.req_id for q in self._queues.values() for j in q}
+        ids = {j.req_id for j in self._jobs.values()}
         ids.update(f.job.req_id for f in self._inflight)
         return ids
 
     @property
     def idle(self) -> bool:
-        return not self._inflight and not any(self._queues.values())
+        return not self._inflight and not self._jobs
 
     def cancel(self, req_id: str) -> None:
         """Drop a request's streams without events (abort); in-flight chunks are released."""
@@ -129,17 +139,13 @@ class TransferScheduler:
         self._drop(req_id, error=error)
 
     def fail_peer(self, peer: str, error: str) -> None:
-        ids = {j.req_id for q in self._queues.values() for j in q if j.peer == peer}
+        ids = {j.req_id for j in self._jobs.values() if j.peer == peer}
         ids.update(f.job.req_id for f in self._inflight if f.job.peer == peer)
         for req_id in sorted(ids):
             self.fail(req_id, error)
 
     def _drop(self, req_id: str, error: str | None) -> None:
-        jobs: list[StreamJob] = []
-        for stream, q in self._queues.items():
-            keep = deque(j for j in q if j.req_id != req_id)
-            jobs.extend(j for j in q if j.req_id == req_id)
-            self._queues[stream] = keep
+        jobs = [self._jobs.pop(k) for k in [k for k in self._jobs if k[0] == req_id]]
         for f in [f for f in self._inflight if f.job.req_id == req_id]:
             self._inflight.remove(f)
             self.inflight_bytes -= f.nbytes
@@ -164,11 +170,11 @@ class TransferScheduler:
         for _ in range(self._max_posts):
             if self._emitted:  # let the owner publish completions before posting more
                 return 0.0
-            job = self._next_job()
-            if job is None:
+            job, key = best(self._jobs.values(), self._jobs, now, self._cfg.order, self._cfg.max_wait_s)
+            if job is None or key is None:
                 break
-            if job.stream == RESIDUAL and now < self.hold_residual_until:
-                wait = self.hold_residual_until - now
+            if key[0] > EARLY and now < self.hold_until:
+                wait = self.hold_until - now
                 break
             n = min(self._cfg.chunk_bytes, job.nbytes - job.posted)
             if self.inflight_bytes and self.inflight_bytes + n > self._cfg.window_bytes:
@@ -182,22 +188,19 @@ class TransferScheduler:
             self._post(job, n, now)
             now = self._clock()
         else:
-            if self._next_job() is not None:
+            if best(self._jobs.values(), self._jobs, now, self._cfg.order, self._cfg.max_wait_s)[0] is not None:
                 return 0.0
         if self._inflight:
             wait = POLL_INTERVAL_S if wait is None else min(wait, POLL_INTERVAL_S)
         return wait
 
-    def _next_job(self) -> StreamJob | None:
-        for stream in (ANCHOR, RESIDUAL):
-            for job in self._queues[stream]:
-                if job.posted < job.nbytes:
-                    return job
-        return None
-
     def _post(self, job: StreamJob, n: int, now: float) -> None:
         off = job.posted
         job.posted += n
+        if job.posted == job.nbytes and job.stream == ANCHOR:
+            residual = self._jobs.get((job.req_id, RESIDUAL))
+            if residual is not None:
+                residual.t_ready = now  # a split residual joins the tier of units from now (ranking.py)
         if job.t_first_post is None:
             job.t_first_post = now
         if self._record:
@@ -247,7 +250,7 @@ class TransferScheduler:
         self.stats.bytes_done += entry.nbytes
         if job.done == job.nbytes:
             job.finished = True
-            self._queues[job.stream].remove(job)
+            self._jobs.pop((job.req_id, job.stream), None)
             self._emit(job, True, None, now)
 
     def _emit(self, job: StreamJob, ok: bool, error: str | None, now: float) -> None:
@@ -268,5 +271,4 @@ class TransferScheduler:
             self._release(entry.handle)
         self._inflight.clear()
         self.inflight_bytes = 0
-        for q in self._queues.values():
-            q.clear()
+        self._jobs.clear()

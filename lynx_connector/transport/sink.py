@@ -41,6 +41,7 @@ from lynx_connector.transport.events import ANCHOR, RESIDUAL, TransferEvent
 from lynx_connector.transport.link import Addr, DoneCourier, PeerLink, PullState
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
 from lynx_connector.transport.pool import StagingPool
+from lynx_connector.transport.ranking import PULL_ORDERS, SPLIT, PullOrder
 from lynx_connector.transport.scheduler import StreamJob, TransferScheduler
 from lynx_connector.transport.status import StatusWriter
 from lynx_connector.transport.timers import ControlTimers
@@ -111,9 +112,13 @@ class TransferSink(ControlTimers):
         token: str,
         anchor_out: torch.Tensor,
         residual_out: torch.Tensor | None,
+        order: PullOrder = SPLIT,
     ) -> None:
         """Queue a pull of P's request `transfer_id` (presenting its `token`) from the source at host:port into
-        views of `self.pool`."""
+        views of `self.pool`. ``order``: how the request's output depends on its planes, which ranks its streams
+        against other requests' (``transport/ranking.py``; the transfer mode's ``pull_order``)."""
+        if order not in PULL_ORDERS:
+            raise ValueError(f"order must be one of {', '.join(PULL_ORDERS)}, got {order!r}")
         if not isinstance(req_id, str) or not 0 < len(req_id) <= proto.MAX_ID:
             raise ValueError(f"req_id must be a non-empty str of at most {proto.MAX_ID} chars")
         for what, val in (("transfer_id", transfer_id), ("token", token)):
@@ -133,7 +138,7 @@ class TransferSink(ControlTimers):
             self._active.add(req_id)
         now = time.monotonic()
         self._cmd(("pull", PullState(req_id, (host, port), transfer_id, token, a, r, now,
-                                     now + self.config.timeout_s)))
+                                     now + self.config.timeout_s, order=order)))
 
     def poll(self) -> list[TransferEvent]:
         """Events since the last poll."""
@@ -218,9 +223,10 @@ class TransferSink(ControlTimers):
 
     def _serve_once(self) -> None:
         self._run_commands()
-        # anchors known to be coming (regions still being queried) go before any residual, briefly
-        self._sched.hold_residual_until = max(
-            (p.t0 + self.config.anchor_holdoff_s for p in self._pulls.values() if p.state != "transferring"),
+        # split anchors known to be coming (regions still being queried) go before every other stream, briefly
+        self._sched.hold_until = max(
+            (p.t0 + self.config.anchor_holdoff_s for p in self._pulls.values()
+             if p.state != "transferring" and p.order == SPLIT),
             default=0.0,
         )
         wait = self._sched.step()
@@ -438,10 +444,11 @@ class TransferSink(ControlTimers):
                 return
         pull.state, pull.generation = "transferring", msg.generation
         self._sched.submit(StreamJob(pull.req_id, ANCHOR, peer.agent, pull.anchor[0],
-                                     peer.pool_addr + msg.anchor_offset, pull.anchor[1], pull.t0))
+                                     peer.pool_addr + msg.anchor_offset, pull.anchor[1], pull.t0, order=pull.order))
         if pull.residual is not None:
             self._sched.submit(StreamJob(pull.req_id, RESIDUAL, peer.agent, pull.residual[0],
-                                         peer.pool_addr + msg.residual_offset, pull.residual[1], pull.t0))
+                                         peer.pool_addr + msg.residual_offset, pull.residual[1], pull.t0,
+                                         order=pull.order))
 
     # ---- completion and failure --------------------------------------------------------------
     def _on_event(self, ev: TransferEvent) -> None:

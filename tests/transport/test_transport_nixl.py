@@ -170,3 +170,44 @@ def test_peer_killed_mid_transfer_fails_within_timeout(source, paced_sink: Trans
     (_, ev2), = wait_events(paced_sink, 1, 20)
     assert ev2.ok and crc(v2.anchor) == sums["k2"][0]
     paced_sink.pool.free_request("k2")
+
+
+def _full_behind_speculative(sink: TransferSink, conn, addr, tag: str) -> dict[tuple[str, str], TransferEvent]:
+    """Two speculative pulls (1 MiB anchor, 4 MiB residual each), then a full-mode one (1 MiB + 1 MiB)."""
+    specs = [(f"{tag}s1", MB, 4 * MB, 51), (f"{tag}s2", MB, 4 * MB, 52), (f"{tag}f", MB, MB, 53)]
+    sums = call(conn, "stage", specs, True)
+    views = {r: sink.pool.alloc_request(r, a, b) for r, a, b, _ in specs}
+    for r, st in views.items():
+        sink.pull(r, *addr, *ticket(conn, r), st.anchor, st.residual, order="whole" if r.endswith("f") else "split")
+    evs = {(e.req_id, e.stream): e for _, e in wait_events(sink, 6, 30)}
+    assert all(e.ok for e in evs.values()), evs
+    for r, st in views.items():
+        assert (crc(st.anchor), crc(st.residual)) == tuple(sums[r])
+        sink.pool.free_request(r)
+    return evs
+
+
+@pytest.fixture(scope="module")
+def paced_sink_old_rule() -> Iterator[TransferSink]:
+    s = TransferSink(TransportConfig(pool_bytes=96 * MB, timeout_s=3.0, link_gbps=0.4, key=TEST_KEY,
+                                     order="anchor_first"), COMPAT)
+    yield s
+    s.close()
+
+
+def test_full_request_behind_speculative_anchors_finishes_earlier_than_under_anchor_first(
+        source, paced_sink: TransferSink, paced_sink_old_rule: TransferSink) -> None:
+    """Issue 16.1 between processes, paced at 0.4 Gbit/s (12 MiB: ~0.25 s): under the old rule (every anchor
+    before any residual) the full request's residual waits for both speculative residuals; by value it goes right
+    after the speculative anchors, whole."""
+    _, conn, addr = source
+    new = _full_behind_speculative(paced_sink, conn, addr, "n")
+    old = _full_behind_speculative(paced_sink_old_rule, conn, addr, "o")
+    t_new, t_old = new["nf", "residual"].seconds, old["of", "residual"].seconds
+    # the speculative anchors still land first under both rules
+    for evs, tag in ((new, "n"), (old, "o")):
+        assert max(evs[f"{tag}s{i}", "anchor"].seconds for i in (1, 2)) < evs[f"{tag}f", "residual"].seconds
+    # old: 12 MiB before f is whole; new: 4 MiB (the two anchors and f), so well under half the time
+    assert t_new < 0.6 * t_old, (t_new, t_old)
+    assert new["nf", "residual"].seconds < min(new[f"ns{i}", "residual"].seconds for i in (1, 2))
+    assert old["of", "residual"].seconds > max(old[f"os{i}", "residual"].seconds for i in (1, 2))

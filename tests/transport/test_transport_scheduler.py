@@ -145,7 +145,7 @@ def test_cancel_emits_nothing(fabric: FakeFabric) -> None:
 def test_residual_held_while_anchor_expected_and_idle_reset(fabric: FakeFabric) -> None:
     sched, _, job, events, clock, _ = make(fabric, link_gbps=8 * 16 * KB / 1e9 * 1000)
     sched.submit(job("r1", "residual", 0, 32 * KB))
-    sched.hold_residual_until = 0.005
+    sched.hold_until = 0.005
     assert sched.step() == pytest.approx(0.005) and not sched.stats.post_log
     clock.t = 0.005
     run_until_idle(sched, clock)
@@ -155,3 +155,137 @@ def test_residual_held_while_anchor_expected_and_idle_reset(fabric: FakeFabric) 
     t0 = clock.t
     run_until_idle(sched, clock)
     assert clock.t - t0 == pytest.approx(3e-3)  # (64 - 16) KiB at 16 KiB/ms
+
+
+# ---- ranking across requests by what unblocks output (transport/ranking.py, issue 16.1) -----------------------
+LINK_16K_PER_MS = 8 * 16 * KB / 1e9 * 1000  # Gbit/s that move one 16 KiB chunk per simulated millisecond
+
+
+def split_and_whole():
+    """Two speculative requests, then a smaller full-mode one: (name, stream, offset, bytes, order)."""
+    return [("s1", "anchor", 0, 64 * KB, "split"), ("s1", "residual", 64 * KB, 96 * KB, "split"),
+            ("s2", "anchor", 160 * KB, 64 * KB, "split"), ("s2", "residual", 224 * KB, 96 * KB, "split"),
+            ("f", "anchor", 320 * KB, 32 * KB, "whole"), ("f", "residual", 352 * KB, 32 * KB, "whole")]
+
+
+def landed(events, clock_at):
+    return {(e.req_id, e.stream): clock_at[i] for i, e in enumerate(events)}
+
+
+def run_recording(sched, clock, events):
+    """run_until_idle, recording the simulated time at which each event arrived."""
+    times: list[float] = []
+    for _ in range(10_000):
+        n = len(events)
+        wait = sched.step()
+        times.extend([clock.t] * (len(events) - n))
+        if wait is None and sched.idle:
+            return times
+        clock.t += wait or 0.0
+    raise AssertionError("scheduler did not go idle")
+
+
+@pytest.mark.parametrize("order", ["srpt", "arrival"])
+def test_full_request_behind_speculative_anchors_goes_before_their_residuals(fabric: FakeFabric, order) -> None:
+    finish = {}
+    for rule in (order, "anchor_first"):
+        sched, _, job, events, clock, (remote, local) = make(fabric, link_gbps=LINK_16K_PER_MS, order=rule)
+        for name, stream, off, n, kind in split_and_whole():
+            j = job(name, stream, off, n)
+            j.order = kind
+            sched.submit(j)
+        times = run_recording(sched, clock, events)
+        at = landed(events, times)
+        finish[rule] = max(at["f", "anchor"], at["f", "residual"])
+        assert torch.equal(local[: 384 * KB], remote[: 384 * KB])
+        posts = [(r, s) for r, s, *_ in sched.stats.post_log]
+        if rule == order:
+            # the speculative anchors first, then the full request whole (anchor, residual back to back), then
+            # the speculative residuals
+            firsts = list(dict.fromkeys(posts))
+            assert firsts == [("s1", "anchor"), ("s2", "anchor"), ("f", "anchor"), ("f", "residual"),
+                              ("s1", "residual"), ("s2", "residual")], firsts
+            assert at["s2", "anchor"] < at["f", "residual"] < at["s1", "residual"]
+    # paced: 8 ms of speculative anchors + 4 ms of f = 12 ms, against every anchor + every residual before f's
+    assert finish[order] == pytest.approx(0.011)  # the bucket starts with one chunk of credit
+    assert finish["anchor_first"] == pytest.approx(0.023)
+
+
+def test_whole_requests_move_back_to_back(fabric: FakeFabric) -> None:
+    sched, _, job, events, clock, _ = make(fabric, link_gbps=LINK_16K_PER_MS, order="arrival")
+    for i, name in enumerate(("w1", "w2")):
+        for stream, off in (("anchor", 0), ("residual", 64 * KB)):
+            j = job(name, stream, i * 128 * KB + off, 64 * KB)
+            j.order = "whole"
+            sched.submit(j)
+    times = run_recording(sched, clock, events)
+    assert [(e.req_id, e.stream) for e in events] == [("w1", "anchor"), ("w1", "residual"), ("w2", "anchor"),
+                                                      ("w2", "residual")]
+    at = landed(events, times)
+    assert at["w1", "residual"] == pytest.approx(0.007)  # w1 done after its own 128 KiB, not after w2's anchor
+
+
+def test_srpt_serves_the_smaller_whole_request_first_and_a_split_anchor_preempts(fabric: FakeFabric) -> None:
+    sched, _, job, events, clock, _ = make(fabric, link_gbps=LINK_16K_PER_MS)
+    big = job("big", "anchor", 0, 256 * KB)
+    big.order = "whole"
+    sched.submit(big)
+    for _ in range(4):  # big starts moving
+        clock.t += sched.step() or 0.0
+    posted = len(sched.stats.post_log)
+    assert posted > 0
+    small = job("small", "anchor", 300 * KB, 32 * KB)
+    small.order = "whole"
+    sched.submit(small)
+    spec = job("spec", "anchor", 400 * KB, 32 * KB)  # split by default
+    sched.submit(spec)
+    run_until_idle(sched, clock)
+    after = [r for r, *_ in sched.stats.post_log[posted:]]
+    assert after[:4] == ["spec", "spec", "small", "small"], after
+    assert [e.req_id for e in events] == ["spec", "small", "big"]
+
+
+def test_age_bound_serves_a_stream_starved_by_higher_ranks(fabric: FakeFabric) -> None:
+    """A steady stream of speculative anchors would keep a full request waiting forever; after max_wait_s it goes
+    first (oldest first) and its wait is bounded."""
+    sched, _, job, events, clock, _ = make(fabric, link_gbps=LINK_16K_PER_MS, max_wait_s=0.01)
+    full = job("full", "anchor", 0, 64 * KB)
+    full.order = "whole"
+    sched.submit(full)
+    n = 0
+    while clock.t < 0.05:
+        if not any(r.startswith("spec") for r in sched.pending_requests()):
+            sched.submit(job(f"spec{n}", "anchor", 512 * KB, 16 * KB))  # always one anchor waiting
+            n += 1
+        clock.t += sched.step() or 0.0
+    run_until_idle(sched, clock)
+    first_full = next(i for i, (r, *_) in enumerate(sched.stats.post_log) if r == "full")
+    assert first_full > 5  # the anchors went first while the full request was young
+    t_full = next(e for e in events if e.req_id == "full").seconds
+    assert 0.01 <= t_full <= 0.01 + 4 * 0.001 + 0.002  # its 4 chunks right after the bound (+ one in flight)
+    assert n > 20  # the anchors kept coming all along
+
+
+def test_whole_streams_are_held_while_a_split_anchor_is_expected(fabric: FakeFabric) -> None:
+    sched, _, job, events, clock, _ = make(fabric, link_gbps=LINK_16K_PER_MS)
+    whole = job("w", "anchor", 0, 32 * KB)
+    whole.order = "whole"
+    sched.submit(whole)
+    sched.hold_until = 0.004
+    assert sched.step() == pytest.approx(0.004) and not sched.stats.post_log
+    sched.submit(job("s", "anchor", 64 * KB, 16 * KB))  # a split anchor is never held
+    sched.step()
+    assert [r for r, *_ in sched.stats.post_log] == ["s"]
+    clock.t = 0.004
+    run_until_idle(sched, clock)
+    assert [e.req_id for e in events] == ["s", "w"]
+
+
+def test_pull_order_comes_from_the_modes_table() -> None:
+    from lynx_connector.modes import MODES, get_mode
+
+    assert get_mode("speculative").pull_order == "split"
+    assert {m.name for m in MODES if m.pull_order == "split"} == {"speculative"}
+    assert get_mode("full").pull_order == get_mode("bf16").pull_order == get_mode("anchor").pull_order == "whole"
+    with pytest.raises(ValueError, match="order"):
+        TransportConfig(order="lifo")
