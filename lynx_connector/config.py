@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lynx_connector.logger import init_logger
-from lynx_connector.modes import DEFAULT_MODE, MODE_NAMES, default_allowed_modes, get_mode, is_mode
+from lynx_connector.modes import (
+    AUTO_MODE,
+    DEFAULT_MODE,
+    MODE_NAMES,
+    auto_candidates,
+    default_allowed_modes,
+    get_mode,
+    is_requestable,
+)
 from lynx_connector.testing import FAULT_INJECTIONS
 
 if TYPE_CHECKING:
@@ -85,7 +93,7 @@ def _as_modes(key: str, value: Any) -> tuple[str, ...]:
     else:
         raise LynxConfigError(f"{key}: expected a list of mode names or a comma-separated string, got {value!r}")
     if items == ["all"]:
-        return MODE_NAMES
+        return (*MODE_NAMES, AUTO_MODE)
     if not items:
         raise LynxConfigError(f"{key}: must name at least one mode (or all); omit it for the default")
     return tuple(dict.fromkeys(items))
@@ -96,6 +104,7 @@ class LynxConfig:
     """Resolved connector configuration (see docs/OPERATIONS.md for the table of keys)."""
 
     #: Transfer mode: a row of the modes table in lynx_connector/modes.py ("Transfer modes" in
+    #: docs/OPERATIONS.md), or ``auto`` (P picks passthrough, full or speculative per request: "Auto mode" in
     #: docs/OPERATIONS.md); a request may ask for another one with ``lynx_mode``.
     mode: str = DEFAULT_MODE
     #: Options for the Lynx codec (grouping); passed to ``lynx_connector.codec.get_codec``.
@@ -134,29 +143,47 @@ class LynxConfig:
     #: Run the side channel without the deployment key (LYNX_SIDE_CHANNEL_KEY_FILE / LYNX_SIDE_CHANNEL_KEY):
     #: unauthenticated, anyone who reaches P's port can read staged KV. Local tests only; logged as a warning.
     insecure_side_channel: bool = False
-    #: The transfer modes a request may ask for (``lynx_mode``): mode names (a list, or a comma-separated
-    #: string; ``all`` = every mode). Empty = the full-precision modes (full, speculative, bf16) plus ``mode``.
-    #: P refuses a request for another mode (400 through the proxy); D refuses params naming one.
+    #: The transfer modes a request may ask for (``lynx_mode``): mode names or ``auto`` (a list, or a
+    #: comma-separated string; ``all`` = every mode and auto). Empty = the full-precision modes (full,
+    #: speculative, bf16), auto, plus ``mode``. P refuses a request for another mode (400 through the proxy); D
+    #: refuses params naming one. ``auto`` chooses only among the allowed full-precision modes.
     allowed_modes: tuple[str, ...] = ()
     #: How long the kv_transfer_params P signs stay valid for D, seconds; null = P's lease (``lease_s`` as
     #: resolved: P frees an unread request's staging by then anyway). P's and D's clocks must agree well within it.
     params_ttl_s: float | None = None
+    #: How D ranks the streams of concurrent pulls (lynx_connector/transport/ranking.py): ``srpt`` (speculative
+    #: anchors first, then the units that unblock output, fewest bytes left first), ``arrival`` (those units in
+    #: the order they became ready) or ``anchor_first`` (every anchor before any residual: the rule before issue
+    #: 16, for comparison).
+    transfer_order: str = "srpt"
+    #: The ranking's age bound on D: a stream queued this many seconds goes first, oldest first.
+    max_stream_wait_s: float = 5.0
+    #: ``auto`` (P): the configured link's rate is used when ``link_gbps`` is set; otherwise P measures it from
+    #: the transfers D completed within this many recent seconds (none yet: passthrough).
+    auto_window_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if not is_mode(self.mode):
-            raise LynxConfigError(f"mode: expected one of {', '.join(MODE_NAMES)}, got {self.mode!r}")
+        if not is_requestable(self.mode):
+            raise LynxConfigError(f"mode: expected one of {', '.join(MODE_NAMES)} or {AUTO_MODE}, got {self.mode!r}")
         if not self.allowed_modes:
-            default = default_allowed_modes()
+            default = (*default_allowed_modes(), AUTO_MODE)
             allowed = default if self.mode in default else (*default, self.mode)
             object.__setattr__(self, "allowed_modes", allowed)
         else:
-            bad = [m for m in self.allowed_modes if not is_mode(m)]
+            bad = [m for m in self.allowed_modes if not is_requestable(m)]
             if bad:
                 raise LynxConfigError(f"allowed_modes: {bad} are not transfer modes (valid: {', '.join(MODE_NAMES)}"
-                                      ", or all)")
+                                      f", {AUTO_MODE}, or all)")
             if self.mode not in self.allowed_modes:
                 raise LynxConfigError(f"allowed_modes {list(self.allowed_modes)} must include the instance's own "
                                       f"mode {self.mode!r}")
+        if AUTO_MODE in self.allowed_modes and not self.auto_modes:
+            raise LynxConfigError(f"allowed_modes {list(self.allowed_modes)}: auto needs at least one of "
+                                  f"{', '.join(auto_candidates())} allowed (it never picks a lossy mode)")
+        from lynx_connector.transport.ranking import ORDERS
+
+        if self.transfer_order not in ORDERS:
+            raise LynxConfigError(f"transfer_order: expected one of {', '.join(ORDERS)}, got {self.transfer_order!r}")
         if self.window_bytes < self.chunk_bytes:
             raise LynxConfigError(
                 f"window_bytes ({self.window_bytes}) must be >= chunk_bytes ({self.chunk_bytes})"
@@ -179,12 +206,22 @@ class LynxConfig:
         return mode in self.allowed_modes
 
     @property
+    def auto_modes(self) -> tuple[str, ...]:
+        """The modes ``auto`` may pick here: the full-precision ones that are allowed, in table order."""
+        return tuple(m for m in auto_candidates() if m in self.allowed_modes)
+
+    @property
+    def concrete_modes(self) -> tuple[str, ...]:
+        """The transfer modes ``mode`` stands for: itself, or for ``auto`` the modes it may pick."""
+        return self.auto_modes if self.mode == AUTO_MODE else (self.mode,)
+
+    @property
     def two_stream(self) -> bool:
-        return get_mode(self.mode).two_stream
+        return any(get_mode(m).two_stream for m in self.concrete_modes)
 
     @property
     def codec_name(self) -> str:
-        return get_mode(self.mode).codec
+        return get_mode(self.concrete_modes[0]).codec
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> LynxConfig:
@@ -210,7 +247,8 @@ class LynxConfig:
                             ("max_speculative_tokens", 0, 4096)):
             if key in extra:
                 kw[key] = _as_int(key, extra[key], minimum=lo, maximum=hi)
-        for key, lo in (("lease_s", 0.1), ("timeout_s", 0.1), ("speculative_min_margin", 0.0)):
+        for key, lo in (("lease_s", 0.1), ("timeout_s", 0.1), ("speculative_min_margin", 0.0),
+                        ("max_stream_wait_s", 0.001), ("auto_window_s", 0.1)):
             if key in extra:
                 kw[key] = _as_float(key, extra[key], minimum=lo, allow_none=key == "lease_s")
         if "side_channel_host" in extra:
@@ -224,6 +262,8 @@ class LynxConfig:
         for key in ("insecure_side_channel", "report_speculation"):
             if key in extra:
                 kw[key] = _as_bool(key, extra[key])
+        if "transfer_order" in extra:
+            kw["transfer_order"] = str(extra["transfer_order"]).strip().lower()
         if "allowed_modes" in extra:
             kw["allowed_modes"] = _as_modes("allowed_modes", extra["allowed_modes"])
         if "params_ttl_s" in extra:
@@ -246,7 +286,8 @@ class LynxConfig:
             link_gbps=self.link_gbps, chunk_bytes=self.chunk_bytes, window_bytes=self.window_bytes,
             lease_s=self.effective_lease_s, timeout_s=self.timeout_s, host=self.side_channel_host,
             port=self.side_channel_port + tp_rank if self.side_channel_port else 0,
-            pool_bytes=self.staging_mb << 20, key=key, status_path=status)
+            pool_bytes=self.staging_mb << 20, key=key, status_path=status, order=self.transfer_order,
+            max_wait_s=self.max_stream_wait_s)
 
     @property
     def effective_lease_s(self) -> float:

@@ -102,6 +102,13 @@ class TransferMode:
         request is reported ready before its pull is over, and the merge (or its failure) is signalled apart."""
         return self.decodes_on_anchor and self.pulls_residual
 
+    @property
+    def pull_order(self) -> str:
+        """How D's transfer scheduler ranks this mode's streams against other requests'
+        (``lynx_connector/transport/ranking.py``): ``split`` when the anchor alone unblocks output and the residual
+        comes later (speculative), else ``whole`` (nothing comes out before every plane D pulls has landed)."""
+        return "split" if self.late_residual else "whole"
+
     # ---- wire cost (the codec's plane_nbytes; no arithmetic of its own) -----------------------------------
     def plane_nbytes(self, num_tokens: int, num_heads: int, head_size: int, cache_dtype: torch.dtype,
                      codec: Codec | None = None) -> tuple[int, int]:
@@ -170,6 +177,22 @@ BASELINE_MODE_NAMES: tuple[str, ...] = tuple(m.name for m in MODES if not m.two_
 DEFAULT_MODE = "full"
 
 
+#: Not a transfer mode but a per-request choice among :func:`auto_candidates` (``lynx_connector/auto.py``): P
+#: picks one when the request is scheduled and D learns it from the signed params (``lynx_mode``).
+AUTO_MODE = "auto"
+
+
+def auto_candidates() -> tuple[str, ...]:
+    """The modes ``auto`` chooses among: the full-precision ones (lossless passthrough, Lynx full, Lynx
+    speculative), never a lossy one (4-bit, fp8, int8, anchor), in table order."""
+    return default_allowed_modes()
+
+
+def is_requestable(name: object) -> bool:
+    """A transfer mode or ``auto``: what ``mode``, ``allowed_modes`` and a request's ``lynx_mode`` may name."""
+    return is_mode(name) or name == AUTO_MODE
+
+
 def is_mode(name: object) -> bool:
     return isinstance(name, str) and name in _BY_NAME
 
@@ -190,8 +213,8 @@ def default_allowed_modes() -> tuple[str, ...]:
 
 def preset_modes() -> tuple[str, ...]:
     """The modes ``--kv-transfer-config lynx:<mode>`` accepts: every mode of the table (``lynx:int4_kivi``
-    included, which the hand-written preset list once missed)."""
-    return MODE_NAMES
+    included, which the hand-written preset list once missed), and ``auto``."""
+    return (*MODE_NAMES, AUTO_MODE)
 
 
 def comparison_order() -> tuple[str, ...]:

@@ -7,9 +7,9 @@ Accepted forms (case-insensitive, surrounding whitespace ignored):
 
 * ``lynx``                      -> LynxConnector, mode ``full``
 * ``lynx:<mode>``               -> LynxConnector with that mode, any mode of the table in
-                                   ``lynx_connector/modes.py`` (:data:`PRESET_MODES`)
-                                   (``speculative`` also gets the Lynx scheduler and a null proposer,
-                                   see :func:`speculative_defaults`)
+                                   ``lynx_connector/modes.py`` (:data:`PRESET_MODES`), or ``auto``
+                                   (``speculative`` and ``auto`` also get the Lynx scheduler and a null
+                                   proposer, see :func:`speculative_defaults`)
 * JSON whose ``kv_connector`` is one of the names above, e.g. what dotted keys produce::
 
       --kv-transfer-config.kv_connector lynx:int8 \\
@@ -30,7 +30,7 @@ import copy
 import json
 from typing import Any
 
-from lynx_connector.modes import DEFAULT_MODE, get_mode, is_mode, preset_modes
+from lynx_connector.modes import AUTO_MODE, DEFAULT_MODE, auto_candidates, get_mode, is_mode, preset_modes
 
 PRESET_PREFIX = "lynx"
 CONNECTOR_NAME = "LynxConnector"
@@ -145,7 +145,10 @@ def speculative_defaults(kv_config: Any) -> dict[str, Any] | None:
     if not isinstance(extra, dict):
         return None
     mode = str(extra.get("mode", DEFAULT_MODE)).strip().lower()
-    if not is_mode(mode) or not get_mode(mode).needs_spec_scheduler:
+    if mode == AUTO_MODE:  # auto may pick a mode that needs it (speculative)
+        if not any(get_mode(m).needs_spec_scheduler for m in auto_candidates()):
+            return None
+    elif not is_mode(mode) or not get_mode(mode).needs_spec_scheduler:
         return None
     try:
         cap = int(extra.get("max_speculative_tokens", DEFAULT_MAX_SPECULATIVE_TOKENS))

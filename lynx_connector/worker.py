@@ -58,7 +58,8 @@ class LynxConnectorWorker(ReceiveHalf):
         self.engine_id = engine_id
         self.vllm_config = vllm_config
         self._codecs: dict[str, Any] = {}
-        self._codec(config.mode)  # validate the configured codec at start-up, not on the first request
+        for mode in config.concrete_modes:  # validate the configured codecs at start-up, not on the first request
+            self._codec(mode)
         kv_cfg = vllm_config.kv_transfer_config
         self.is_producer = kv_cfg.kv_role in ("kv_producer", "kv_both")
         self.is_consumer = kv_cfg.kv_role in ("kv_consumer", "kv_both")

@@ -131,7 +131,7 @@ def test_config_and_presets_accept_every_mode(name):
 
 
 def test_config_and_presets_accept_only_the_table():
-    assert PRESET_MODES == MODE_NAMES  # lynx:int4_kivi is a preset too
+    assert PRESET_MODES == (*MODE_NAMES, "auto")  # lynx:int4_kivi is a preset too, and lynx:auto
     for bad in ("int3", "lynx", "anchor_only", ""):
         with pytest.raises(LynxConfigError, match="mode"):
             LynxConfig(mode=bad)

@@ -89,13 +89,29 @@ def test_boolean_keys_parse_strings_and_refuse_others(key):
 def test_allowed_modes():
     from lynx_connector.modes import MODE_NAMES
 
-    assert LynxConfig.from_extra_config({}).allowed_modes == ("full", "speculative", "bf16")
+    assert LynxConfig.from_extra_config({}).allowed_modes == ("full", "speculative", "bf16", "auto")
     # the instance's own mode is allowed by default too (the operator chose it)
-    assert LynxConfig.from_extra_config({"mode": "int4"}).allowed_modes == ("full", "speculative", "bf16", "int4")
+    assert LynxConfig.from_extra_config({"mode": "int4"}).allowed_modes == ("full", "speculative", "bf16", "auto",
+                                                                            "int4")
     assert LynxConfig.from_extra_config({"allowed_modes": " FULL, int8 ,full"}).allowed_modes == ("full", "int8")
     assert LynxConfig.from_extra_config({"allowed_modes": ["full", "anchor"]}).mode_allowed("anchor")
-    assert LynxConfig.from_extra_config({"allowed_modes": "all"}).allowed_modes == MODE_NAMES
+    assert LynxConfig.from_extra_config({"allowed_modes": "all"}).allowed_modes == (*MODE_NAMES, "auto")
     assert not LynxConfig.from_extra_config({}).mode_allowed("int4")
+
+
+def test_auto_mode_config():
+    cfg = LynxConfig.from_extra_config({"mode": "AUTO"})
+    assert cfg.mode == "auto" and cfg.auto_modes == ("full", "speculative", "bf16") == cfg.concrete_modes
+    assert cfg.two_stream and cfg.codec_name == "lynx"
+    # auto picks only among the allowed full-precision modes; with none of them allowed it is refused
+    assert LynxConfig.from_extra_config({"mode": "auto", "allowed_modes": "bf16,auto,int4"}).auto_modes == ("bf16",)
+    with pytest.raises(LynxConfigError, match="auto needs"):
+        LynxConfig.from_extra_config({"mode": "int4", "allowed_modes": "int4,auto"})
+    with pytest.raises(LynxConfigError, match="transfer_order"):
+        LynxConfig.from_extra_config({"transfer_order": "lifo"})
+    t = LynxConfig.from_extra_config({"transfer_order": "arrival", "max_stream_wait_s": "2"}).transport_config(
+        0, None, "x")
+    assert (t.order, t.max_wait_s) == ("arrival", 2.0)
 
 
 def test_params_ttl_defaults_to_the_lease():
