@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from lynx_connector.auto import AUTO_KEY, AUTO_REASONS
 from lynx_connector.compat import staged_dtype_names
 from lynx_connector.fanout import CHILD_KEYS, CHILDREN_KEY, MAX_CHILDREN, child_of
 from lynx_connector.modes import MODE_NAMES, is_mode
@@ -109,6 +110,9 @@ class LynxWorkerMeta(KVConnectorWorkerMetadata):
 
     residual_merged: set[str] = field(default_factory=set)
     residual_failed: set[str] = field(default_factory=set)
+    #: P, for ``auto`` (lynx_connector/auto.py): (measured link bytes/s or 0, bytes staged that D has not finished
+    #: reading, recent Lynx encode seconds per token or 0); None on steps that carry no new measure.
+    p_link: tuple[float, int, float] | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, LynxWorkerMeta):
@@ -117,7 +121,7 @@ class LynxWorkerMeta(KVConnectorWorkerMetadata):
         # as one rank failed.
         failed = self.residual_failed | other.residual_failed
         return LynxWorkerMeta(residual_merged=(self.residual_merged & other.residual_merged) - failed,
-                              residual_failed=failed)
+                              residual_failed=failed, p_link=self.p_link or other.p_link)  # rank 0's first
 
 
 @dataclass
@@ -154,6 +158,8 @@ class RemotePrefill:
     #: P's KV cache dtype, the dtype its planes were staged from (lynx_connector/compat.py); "" = not announced
     #: (D assumes its own).
     kv_dtype: str = ""
+    #: Why ``auto`` chose ``mode`` (``lynx_auto``, one of lynx_connector.auto.AUTO_REASONS); "" = not an auto choice.
+    auto_reason: str = ""
 
     def to_params(self) -> dict[str, Any]:
         params = {
@@ -174,6 +180,8 @@ class RemotePrefill:
             params["lynx_first_token"] = self.first_token
         if self.kv_dtype:
             params["lynx_kv_dtype"] = self.kv_dtype
+        if self.auto_reason:
+            params[AUTO_KEY] = self.auto_reason
         return params
 
     @classmethod
@@ -223,9 +231,12 @@ class RemotePrefill:
         if kv_dtype != "" and kv_dtype not in staged_dtype_names():
             raise InvalidTransferParams(f"lynx_kv_dtype must be one of {', '.join(staged_dtype_names())}, "
                                         f"got {kv_dtype!r}")
+        auto = params.get(AUTO_KEY, "")
+        if auto != "" and auto not in AUTO_REASONS:
+            raise InvalidTransferParams(f"{AUTO_KEY} must be one of {', '.join(AUTO_REASONS)}, got {str(auto)[:64]!r}")
         return cls(engine_id=engine_id, request_id=request_id, host=host, ports=tuple(ports),
                    num_tokens=num_tokens, mode=mode, transfer_id=transfer_id, token=token,
-                   first_token=first, kv_dtype=kv_dtype)
+                   first_token=first, kv_dtype=kv_dtype, auto_reason=auto)
 
 
 def for_child(params: dict[str, Any], req_id: str | None) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Set
 from typing import TYPE_CHECKING, Any
 
+from lynx_connector.auto import AUTO_KEY, AutoPolicy
 from lynx_connector.config import LynxConfig
 from lynx_connector.fanout import CHILDREN_KEY, SiblingBook
 from lynx_connector.logger import init_logger
@@ -38,7 +39,7 @@ from lynx_connector.metadata import (
     SaveSpec,
     mint_ticket,
 )
-from lynx_connector.modes import MODE_NAMES, get_mode, is_mode
+from lynx_connector.modes import AUTO_MODE, MODE_NAMES, get_mode, is_requestable
 from lynx_connector.prefix_cache import fence_lossy_blocks
 from lynx_connector.signing import (
     PROMPT_KEY,
@@ -108,8 +109,12 @@ class LynxConnectorScheduler:
         self._verified: dict[str, RemotePrefill] = {}
         # P and D: the error a refused request reports in its response's kv_transfer_params ("lynx_error").
         self._refused: dict[str, dict[str, Any]] = {}
-        #: Scheduler-side counters (refused params), exported with the workers' (LynxConnector).
+        #: Scheduler-side counters (refused params, auto choices), exported with the workers' (LynxConnector).
         self.stats = LynxStats()
+        # auto (lynx_connector/auto.py): P's choices (the reason goes to D signed); D: the choices to report
+        self._auto = AutoPolicy(vllm_config, config, self.stats)
+        self._auto_reason: dict[str, str] = {}
+        self._auto_report: dict[str, dict[str, str]] = {}
 
     # ---- start-up -------------------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
@@ -134,8 +139,9 @@ class LynxConnectorScheduler:
         mode = params.get("lynx_mode")
         if mode is None:
             return self.config.mode
-        if not is_mode(mode):
-            message = f"lynx_mode {str(mode)[:64]!r} is not a transfer mode (known: {', '.join(MODE_NAMES)})"
+        if not is_requestable(mode):
+            message = (f"lynx_mode {str(mode)[:64]!r} is not a transfer mode (known: {', '.join(MODE_NAMES)}, "
+                       f"{AUTO_MODE})")
         elif not self.config.mode_allowed(mode):
             message = (f"lynx_mode {mode!r} is not allowed on this deployment (allowed_modes: "
                        f"{', '.join(self.config.allowed_modes)})")
@@ -196,6 +202,9 @@ class LynxConnectorScheduler:
             return
         if params.get("do_remote_decode"):
             mode = self._request_mode(request.request_id, params)
+            if mode == AUTO_MODE:
+                mode, self._auto_reason[request.request_id] = self._auto.choose(request, self._kv_dtype,
+                                                                                self.speculation_enabled)
             if mode is not None:
                 self._save_tracked[request.request_id] = request
                 self._save_mode[request.request_id] = mode
@@ -226,6 +235,8 @@ class LynxConnectorScheduler:
             kv_dtype=remote.kv_dtype,
         )
         self._recv_pending.append(spec)
+        if remote.auto_reason:  # reported in its final output
+            self._auto_report[request.request_id] = {"mode": remote.mode, "reason": remote.auto_reason}
         if num_tokens:
             if not get_mode(mode).prefix_cached:  # lossy KV: never a prefix-cache hit for a later request
                 fence_lossy_blocks(request, local_hit, self._kv_cache_manager, self.block_size)
@@ -324,6 +335,7 @@ class LynxConnectorScheduler:
             self._recv_inflight.discard(req_id)
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, LynxWorkerMeta):
+            self._auto.observe(meta.p_link)
             self.residual_merged |= meta.residual_merged
             self.spec_pending -= meta.residual_merged
             failed = meta.residual_failed & self.spec_pending
@@ -340,6 +352,9 @@ class LynxConnectorScheduler:
         self._local_hits.pop(req_id, None)
         self._verified.pop(req_id, None)
         error = self._refused.pop(req_id, None)
+        auto = self._auto_reason.pop(req_id, "")
+        self._auto.finished(req_id, request.num_output_tokens > 0)
+        report = self._auto_report.pop(req_id, None)
         self.residual_merged.discard(req_id)
         self.residual_failed.discard(req_id)
         self.spec_first_token.pop(req_id, None)
@@ -355,7 +370,10 @@ class LynxConnectorScheduler:
         if params and params.get("do_remote_prefill"):
             self._discard_unpulled(request, params)
         if self._save_tracked.pop(req_id, None) is None:
-            return False, (None if error is None else {"lynx_error": error})
+            out = {} if error is None else {"lynx_error": error}
+            if report is not None:  # D: what auto chose for this request, in its final output
+                out[AUTO_KEY] = report
+            return False, out or None
         mode = self._save_mode.pop(req_id, self.config.mode)
         saved = req_id in self._saved
         self._saved.discard(req_id)
@@ -386,6 +404,7 @@ class LynxConnectorScheduler:
             token=ticket[1] if ticket else "",
             first_token=request.output_token_ids[0] if request.num_output_tokens else None,
             kv_dtype=self._kv_dtype,
+            auto_reason=auto,
         )
         params = remote.to_params()
         children = self._siblings.add(req_id, params)  # n > 1: every child's transfer (lynx_connector/fanout.py)

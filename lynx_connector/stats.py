@@ -13,6 +13,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from lynx_connector.auto import AUTO_REASONS
 from lynx_connector.signing import REFUSAL_REASONS
 
 _LIST_KEYS = ("anchor_bytes", "anchor_s", "residual_bytes", "residual_s", "request_s",
@@ -41,6 +42,7 @@ def _empty() -> dict[str, Any]:
     data: dict[str, Any] = {k: [] for k in _LIST_KEYS}
     data.update({k: 0 for k in _COUNT_KEYS + _REFUSED_KEYS})
     data["events"] = []  # [side, event, increment]
+    data["auto"] = []  # [chosen mode, reason] per auto choice (P's scheduler half)
     data["gauges"] = []  # [side, rank, state, bytes]
     return data
 
@@ -72,6 +74,10 @@ class LynxStats(KVConnectorStats):
         """Refused kv_transfer_params (scheduler half): ``reason`` one of signing.REFUSAL_REASONS."""
         self.data[f"refused_{reason}"] += 1
 
+    def record_auto(self, mode: str, reason: str) -> None:
+        """One ``auto`` choice (P): the mode chosen and why (lynx_connector.auto.AUTO_REASONS)."""
+        self.data["auto"].append([mode, reason])
+
     def record_speculation(self, drafted: int, accepted: int, early: int = 0, stopped: str | None = None) -> None:
         """One speculative request: tokens decoded on the anchor and held, how many verification accepted,
         ``early`` tokens released on the anchor (P's full-precision first token), and why decoding on the
@@ -92,11 +98,11 @@ class LynxStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data[k] for k in (*_LIST_KEYS, "events", "gauges")) and not any(
+        return not any(self.data[k] for k in (*_LIST_KEYS, "events", "gauges", "auto")) and not any(
             self.data[k] for k in _COUNT_KEYS + _REFUSED_KEYS)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for k in (*_LIST_KEYS, "events", "gauges"):
+        for k in (*_LIST_KEYS, "events", "gauges", "auto"):
             self.data[k].extend(other.data.get(k, []))
         for k in _COUNT_KEYS + _REFUSED_KEYS:
             self.data[k] += int(other.data.get(k, 0))
@@ -124,6 +130,9 @@ class LynxStats(KVConnectorStats):
         refused = sum(d[k] for k in _REFUSED_KEYS)
         if refused:
             out["Refused params"] = refused
+        for mode, _reason in d["auto"]:
+            key = f"Auto chose {mode}"
+            out[key] = out.get(key, 0) + 1
         for side, event, n in d["events"]:
             key = f"Side channel {side.upper()} {event}"
             out[key] = out.get(key, 0) + int(n)
@@ -178,6 +187,10 @@ class LynxPromMetrics(KVConnectorPromMetrics):
                                                         "first_token_mismatch (D's first token is not P's).",
                                           labelnames=labelnames + ["reason"])
 
+        self._auto = self._counter_cls(name="vllm:lynx_auto_choices",
+                                       documentation="Transfer modes chosen by auto on P, by mode and reason: "
+                                                     + ", ".join(AUTO_REASONS) + ".",
+                                       labelnames=labelnames + ["mode", "reason"])
         self._refused = self._counter_cls(name="vllm:lynx_refused_params",
                                           documentation="kv_transfer_params refused by the scheduler half: "
                                                         "unsigned, bad_signature, expired, malformed, "
@@ -213,6 +226,8 @@ class LynxPromMetrics(KVConnectorPromMetrics):
             n = sum(transfer_stats_data.get(f"spec_stop_{reason}", []))
             if n:
                 self._stopped.labels(*labels, reason).inc(n)
+        for mode, reason in transfer_stats_data.get("auto", []):
+            self._auto.labels(*labels, mode, reason).inc()
         for reason in REFUSAL_REASONS:
             n = int(transfer_stats_data.get(f"refused_{reason}", 0))
             if n:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lynx_connector.auto import LinkMeter
 from lynx_connector.codec import (
     KVLayout,
     KVRangeError,
@@ -33,6 +34,7 @@ from lynx_connector.logger import init_logger
 from lynx_connector.metadata import (
     LynxConnectorMetadata,
     LynxHandshakeMetadata,
+    LynxWorkerMeta,
     SaveSpec,
 )
 from lynx_connector.modes import LYNX_CODEC, get_mode
@@ -72,6 +74,10 @@ class LynxConnectorWorker(ReceiveHalf):
         self.sink: TransferSink | None = None
         self.stats = LynxStats()
         self._exporter = TransportExporter()
+        # P, for auto (lynx_connector/auto.py): the link measured from D's completed reads, Lynx encode s/token
+        self._link_meter = LinkMeter(config.auto_window_s)
+        self._lynx_encode_s_per_token = 0.0
+        self._link_sent_at = 0.0
         self._init_receive()  # D's pulls (receiving.py)
         self._step = 0  # poll() calls, one per engine step
         self._faults = fault_hooks(config)  # test-only (lynx_connector.testing)
@@ -202,7 +208,11 @@ class LynxConnectorWorker(ReceiveHalf):
             self.stats.record_failure("encode")
             return
         self.source.publish(spec.req_id)
-        self.stats.record_encode(a, r, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.stats.record_encode(a, r, seconds)
+        if codec.name == LYNX_CODEC and spec.num_tokens:  # auto's estimate of the Lynx codec's cost
+            per, last = seconds / spec.num_tokens, self._lynx_encode_s_per_token
+            self._lynx_encode_s_per_token = per if not last else last + 0.3 * (per - last)
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """P: requests whose KV blocks may be freed (staged or given up, and finished in vLLM); after poll()."""
@@ -216,9 +226,22 @@ class LynxConnectorWorker(ReceiveHalf):
         self._exporter.maybe_export(self.stats, {"p": self.source, "d": self.sink})  # gauges, side-channel events
         if self.source is not None:
             self.source.poll()
+            self._link_meter.add(self.source.take_pulled())
             if self.saves is not None and self.saves.waiting:
                 self.saves.retry()  # room freed by D's done; or the wait is over and D is told why
         self._poll_recvs()
+
+    def take_worker_meta(self) -> LynxWorkerMeta | None:
+        """D's merge signals (ReceiveHalf) and, on P about every 0.1 s, the link as auto sees it (p_link)."""
+        meta = super().take_worker_meta()
+        now = time.monotonic()
+        if self.source is None or now - self._link_sent_at < 0.1:
+            return meta
+        self._link_sent_at = now
+        meta = meta if meta is not None else LynxWorkerMeta()
+        meta.p_link = (self._link_meter.rate() or 0.0, self.source.pool.bytes_allocated,
+                       self._lynx_encode_s_per_token)
+        return meta
 
     def shutdown(self) -> None:
         for rec in list(self._recvs.values()):

@@ -27,7 +27,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +59,7 @@ class _Entry:
     published: bool = False
     deadline: float | None = None
     owner: bytes | None = None  # the session lineage whose Query got Regions
+    t_served: float | None = None  # when D first got its Regions (started reading): measures the link (auto)
 
 
 class TransferSource(SideChannelServer):
@@ -88,6 +89,7 @@ class TransferSource(SideChannelServer):
         self._by_tid: dict[str, str] = {}  # transfer_id -> req_id
         self._rejected: dict[str, tuple[str, str, float, str]] = {}  # transfer_id -> (code, message, forget at, token)
         self._freed: list[str] = []
+        self._pulled: deque[tuple[float, float, int]] = deque(maxlen=1024)  # take_pulled (auto's link measure)
         self._abandoned: OrderedDict[str, None] = OrderedDict()  # expected requests D gave up on (take_abandoned)
         self._sessions: OrderedDict[bytes, Session] = OrderedDict()  # zmq identity -> session (service thread)
         self._pending: OrderedDict[bytes, Pending] = OrderedDict()  # zmq identity -> handshake in progress
@@ -230,6 +232,13 @@ class TransferSource(SideChannelServer):
             del self._abandoned[req_id]
             return True
 
+    def take_pulled(self) -> list[tuple[float, float, int]]:
+        """(D's first query, D's Done, bytes staged) of each request D finished reading since the last call."""
+        with self._lock:
+            out = list(self._pulled)
+            self._pulled.clear()
+        return out
+
     def poll(self) -> list[str]:
         """Request ids freed since the last poll (done, lease or abort)."""
         with self._lock:
@@ -271,6 +280,9 @@ class TransferSource(SideChannelServer):
             self._by_tid.pop(entry.transfer_id, None)
             self._freed.append(req_id)
             self.counters[f"freed_{why}"] += 1
+            if why == "done" and entry.staged is not None and entry.t_served is not None:
+                s = entry.staged
+                self._pulled.append((entry.t_served, time.monotonic(), s.anchor_nbytes + s.residual_nbytes))
             if why == "done" and entry.staged is None:  # D gave up before P had room: P must not stage it later
                 self._abandoned[req_id] = None
                 if len(self._abandoned) > MAX_REJECTED:
@@ -389,6 +401,7 @@ class TransferSource(SideChannelServer):
                 if entry is not None and not owned_elsewhere and entry.published and entry.staged is not None:
                     entry.owner = sess.owner
                     entry.deadline = time.monotonic() + self.config.lease_s
+                    entry.t_served = entry.t_served or time.monotonic()
             if entry is None and rejected is not None and hmac.compare_digest(rejected[3].encode(), msg.token.encode()):
                 return proto.Error(v=v, code=rejected[0], message=rejected[1], transfer_id=msg.transfer_id)
             if entry is None or owned_elsewhere:

@@ -67,3 +67,21 @@ def test_prometheus_series_have_reason_side_and_state_labels() -> None:
     assert 'vllm:lynx_failed_transfers_total{engine="0",model_name="m",reason="too_large"} 1.0' in text
     assert 'vllm:lynx_side_channel_events_total{engine="0",event="auth_failed",model_name="m",side="p"} 3.0' in text
     assert 'vllm:lynx_staging_bytes{engine="0",model_name="m",rank="0",side="p",state="used"} 4096.0' in text
+
+
+def test_auto_choices_are_counted_by_mode_and_reason() -> None:
+    registry = CollectorRegistry()
+    prom = _prom(registry)
+    stats = LynxStats()
+    assert stats.is_empty()
+    stats.record_auto("speculative", "slow_link")
+    other = LynxStats()
+    other.record_auto("speculative", "slow_link")
+    other.record_auto("bf16", "fast_link")
+    stats.aggregate(other)
+    assert not stats.is_empty() and stats.reduce()["Auto chose speculative"] == 2
+    prom.observe(stats.clone_and_reset().data)
+    assert stats.is_empty()
+    text = generate_latest(registry).decode()
+    assert 'vllm:lynx_auto_choices_total{engine="0",mode="speculative",model_name="m",reason="slow_link"} 2.0' in text
+    assert 'vllm:lynx_auto_choices_total{engine="0",mode="bf16",model_name="m",reason="fast_link"} 1.0' in text

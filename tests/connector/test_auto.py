@@ -1,0 +1,184 @@
+"""``auto`` (lynx_connector/auto.py, issue 16.3): the rule, P's link meter, and the scheduler half choosing per
+request, signing the choice and D reporting it. The real engines: tests/integration/test_servers.py."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import RequestStatus
+
+from lynx_connector.auto import AUTO_REASONS, AutoEstimator, AutoRequest, LinkMeter, LinkView, choose
+from lynx_connector.codec import get_codec
+from lynx_connector.config import LynxConfig
+from lynx_connector.metadata import LynxHandshakeMetadata, LynxWorkerMeta, RemotePrefill
+from lynx_connector.modes import auto_candidates, get_mode
+from lynx_connector.scheduler import LynxConnectorScheduler
+from lynx_connector.signing import ParamsSigner
+from lynx_connector.transport.keys import load_side_channel_key
+from tests.connector.test_scheduler_half import BS, FakeBlocks, FakeManager, sched_out
+
+GEOMETRY = (3, 64, 30)  # the lab model: 3 KV heads of 64, 30 layers
+CANDIDATES = ("full", "speculative", "bf16")
+
+
+def inputs(tokens: int, early: bool = True, prefill_s: float = 0.0, codec_s: float = 0.0) -> AutoRequest:
+    est = AutoEstimator(None, GEOMETRY, get_codec("lynx"))
+    base = est.request(CANDIDATES, tokens, torch.float32, early)
+    return AutoRequest(base.first_bytes, early, prefill_s, codec_s)
+
+
+def test_candidates_are_the_full_precision_modes_only():
+    assert set(auto_candidates()) == {"bf16", "full", "speculative"}
+    assert all(get_mode(m).full_precision for m in auto_candidates())
+    cfg = LynxConfig.from_extra_config({"mode": "auto", "allowed_modes": "all"})
+    assert set(cfg.auto_modes) == {"bf16", "full", "speculative"}  # int8, int4, fp8, anchor never
+
+
+def test_plane_sizes_are_the_codecs():
+    req = inputs(1024)
+    a, r = get_codec("lynx").plane_nbytes(1024, 3, 64, torch.float32)
+    assert req.first_bytes["speculative"] == 30 * a and req.first_bytes["full"] == 30 * (a + r)
+    assert req.first_bytes["bf16"] == 30 * 2 * 1024 * 3 * 64 * 4  # fp32 cache: the passthrough moves 4 bytes
+
+
+def test_fast_link_passthrough_slow_link_speculation():
+    req = inputs(1024, codec_s=0.02)
+    fast = choose(CANDIDATES, LinkView(100e9 / 8, "configured"), req, speculation=True)
+    assert (fast.mode, fast.reason) == ("bf16", "fast_link")
+    slow = choose(CANDIDATES, LinkView(0.5e9 / 8, "configured"), req, speculation=True)
+    assert (slow.mode, slow.reason) == ("speculative", "slow_link")
+    assert slow.estimates["speculative"] < slow.estimates["full"] < slow.estimates["bf16"]
+    # the crossover follows the codec's cost: the bytes saved must pay for it
+    saved = (req.first_bytes["bf16"] - req.first_bytes["speculative"])
+    just_fast = saved / (0.9 * 0.02)  # saving 0.9x the codec time: passthrough still wins
+    assert choose(CANDIDATES, LinkView(just_fast, "measured"), req, True).mode == "bf16"
+    assert choose(CANDIDATES, LinkView(saved / (1.1 * 0.02), "measured"), req, True).mode == "speculative"
+
+
+def test_held_first_token_or_no_speculative_scheduler_picks_full_on_a_slow_link():
+    slow = LinkView(0.5e9 / 8, "configured")
+    for early, spec in ((False, True), (True, False)):
+        c = choose(CANDIDATES, slow, inputs(1024, early=early), speculation=spec)
+        assert (c.mode, c.reason) == ("full", "slow_link_no_speculation")
+
+
+def test_no_rate_is_passthrough_and_one_candidate_is_that_one():
+    c = choose(CANDIDATES, LinkView(None, "none"), inputs(512), True)
+    assert (c.mode, c.reason) == ("bf16", "no_link_rate")
+    c = choose(("full",), LinkView(1e6, "configured"), inputs(512), True)
+    assert (c.mode, c.reason) == ("full", "only_choice")
+    with pytest.raises(ValueError):
+        choose((), LinkView(None, "none"), inputs(1), True)
+
+
+def test_a_queue_on_the_link_favours_the_anchor_that_jumps_it():
+    """At a rate where passthrough wins on an idle link, a queue that will not drain during the prefill makes
+    speculation win (its anchor goes before the queued whole requests on D: transport/ranking.py)."""
+    req = inputs(1024, prefill_s=0.05, codec_s=0.02)
+    saved = req.first_bytes["bf16"] - req.first_bytes["speculative"]
+    rate = saved / (0.5 * 0.02)  # the bytes saved are worth half the codec time: passthrough on an idle link
+    assert choose(CANDIDATES, LinkView(rate, "measured", 0), req, True).mode == "bf16"
+    assert choose(CANDIDATES, LinkView(rate, "measured", int(rate * 0.04)), req, True).mode == "bf16"  # drains
+    busy = choose(CANDIDATES, LinkView(rate, "measured", int(rate * 0.5)), req, True)
+    assert (busy.mode, busy.reason) == ("speculative", "slow_link")
+
+
+def test_link_meter_counts_busy_time_once():
+    now = [100.0]
+    m = LinkMeter(window_s=10.0, clock=lambda: now[0])
+    assert m.rate() is None
+    m.add([(91.0, 93.0, 2000), (92.0, 94.0, 2000), (96.0, 97.0, 1000)])  # overlapping: busy 3 s + 1 s
+    assert m.rate() == pytest.approx(5000 / 4)
+    now[0] = 105.5  # the first two are out of the window
+    assert m.rate() == pytest.approx(1000 / 1)
+
+
+# ---- the scheduler half -----------------------------------------------------------------------------------
+def make_p(**extra):
+    mc = SimpleNamespace(get_num_kv_heads=lambda pc: 3, get_head_size=lambda: 64, get_num_layers=lambda pc: 30,
+                         dtype=torch.float32)
+    vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS), model_config=mc, parallel_config=None)
+    s = LynxConnectorScheduler(vcfg, "engine-p", LynxConfig.from_extra_config({"mode": "auto", **extra}))
+    mgr = FakeManager()
+    s.bind_kv_cache_manager(mgr)
+    s.set_handshake({0: LynxHandshakeMetadata(host="10.1.2.3", port=5555, tp_rank=0, kv_dtype="float32")})
+    return s, mgr
+
+
+def p_req(req_id, n, params, temperature=0.0):
+    return SimpleNamespace(request_id=req_id, num_prompt_tokens=n, num_computed_tokens=0, kv_transfer_params=params,
+                           status=RequestStatus.RUNNING, output_token_ids=[], num_output_tokens=0,
+                           use_structured_output=False, prompt_token_ids=list(range(n)),
+                           sampling_params=SamplingParams(temperature=temperature, max_tokens=4))
+
+
+def serve_on_p(s, mgr, r):
+    mgr.blocks[r.request_id] = list(range(-(-r.num_prompt_tokens // BS)))
+    s.update_state_after_alloc(r, FakeBlocks(mgr.blocks[r.request_id]), 0)
+    meta = s.build_connector_meta(sched_out(**{r.request_id: r.num_prompt_tokens}))
+    r.status, r.output_token_ids, r.num_output_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, [7], 1
+    _, params = s.request_finished(r, [])
+    return meta.reqs_to_save[0].mode, params
+
+
+def test_p_chooses_per_request_signs_the_choice_and_counts_it():
+    s, mgr = make_p(link_gbps=0.5)
+    mode, params = serve_on_p(s, mgr, p_req("r1", 1024, {"do_remote_decode": True, "lynx_mode": "auto"}))
+    s.speculation_enabled = True  # P runs the speculative scheduler (the lynx:auto preset)
+    mode2, params2 = serve_on_p(s, mgr, p_req("r2", 1024, {"do_remote_decode": True}))  # the instance's auto
+    mode3, params3 = serve_on_p(s, mgr, p_req("r3", 1024, {"do_remote_decode": True}, temperature=0.8))
+    assert (mode, mode2, mode3) == ("full", "speculative", "full")
+    rp = RemotePrefill.from_params(params2)
+    assert (rp.mode, rp.auto_reason) == ("speculative", "slow_link")
+    ParamsSigner(load_side_channel_key(), 60).verify(params2)
+    with pytest.raises(Exception, match="lynx_sig"):  # the choice is signed: D cannot be told another one
+        ParamsSigner(load_side_channel_key(), 60).verify({**params2, "lynx_auto": "fast_link"})
+    assert [tuple(x) for x in s.stats.data["auto"]] == [("full", "slow_link_no_speculation"),
+                                                       ("speculative", "slow_link"),
+                                                       ("full", "slow_link_no_speculation")]
+    assert all(reason in AUTO_REASONS for _, reason in s.stats.data["auto"])
+
+
+def test_p_uses_the_measured_link_and_the_queue_when_no_rate_is_configured():
+    s, mgr = make_p()
+    assert serve_on_p(s, mgr, p_req("a", 1024, {"do_remote_decode": True}))[0] == "bf16"  # nothing known yet
+    s.update_connector_output(SimpleNamespace(finished_recving=(), failed_recving=(),
+                                              kv_connector_worker_meta=LynxWorkerMeta(p_link=(0.2e9 / 8, 0, 0.0))))
+    s.speculation_enabled = True
+    mode, params = serve_on_p(s, mgr, p_req("b", 1024, {"do_remote_decode": True}))
+    assert mode == "speculative" and RemotePrefill.from_params(params).auto_reason == "slow_link"
+    s.update_connector_output(SimpleNamespace(finished_recving=(), failed_recving=(),
+                                              kv_connector_worker_meta=LynxWorkerMeta(p_link=(80e9 / 8, 0, 1e-5))))
+    # a fast link, and P's Lynx encodes took 10 us per token (D's decode counted as long): passthrough
+    assert serve_on_p(s, mgr, p_req("c", 1024, {"do_remote_decode": True}))[0] == "bf16"
+
+
+def test_children_of_one_request_share_its_choice():
+    s, mgr = make_p(link_gbps=0.5)
+    s.speculation_enabled = True
+    first = serve_on_p(s, mgr, p_req("0_parent-abcdefgh", 512, {"do_remote_decode": True}))[0]
+    s.update_connector_output(SimpleNamespace(finished_recving=(), failed_recving=(),
+                                              kv_connector_worker_meta=LynxWorkerMeta(p_link=(80e9 / 8, 0, 1e-5))))
+    s._auto.estimator()._configured = None  # the link now looks fast: a new request would get bf16 ...
+    assert serve_on_p(s, mgr, p_req("1_parent-abcdefgh", 512, {"do_remote_decode": True}))[0] == first  # ... not a child
+    assert serve_on_p(s, mgr, p_req("other", 512, {"do_remote_decode": True}))[0] == "bf16"
+
+
+def test_d_reports_the_choice_in_the_final_output():
+    s, _ = make_p()
+    params = ParamsSigner(load_side_channel_key(), 60).sign(
+        {**RemotePrefill(transfer_id="a" * 32, token="b" * 32, engine_id="engine-p", request_id="p-1",
+                         host="10.1.2.3", ports=(5555,), num_tokens=64, mode="bf16",
+                         auto_reason="fast_link").to_params()})
+    r = SimpleNamespace(request_id="d-1", num_prompt_tokens=64, num_computed_tokens=0, kv_transfer_params=params,
+                        status=RequestStatus.RUNNING, output_token_ids=[], num_output_tokens=0,
+                        use_structured_output=False, prompt_token_ids=list(range(64)))
+    assert s.get_num_new_matched_tokens(r, 0) == (64, True)
+    s.update_state_after_alloc(r, FakeBlocks([0, 1]), 64)
+    s.update_connector_output(SimpleNamespace(finished_recving={"d-1"}, failed_recving=(),
+                                              kv_connector_worker_meta=None))
+    r.status = RequestStatus.FINISHED_STOPPED
+    assert s.request_finished(r, [0, 1]) == (False, {"lynx_auto": {"mode": "bf16", "reason": "fast_link"}})
+    with pytest.raises(Exception, match="lynx_auto"):
+        RemotePrefill.from_params({**params, "lynx_auto": "because"})
