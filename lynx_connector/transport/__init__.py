@@ -1,5 +1,6 @@
 """Two-stream KV transport over NIXL: P stages each request as one contiguous anchor region and one residual
-region in a registered pool; D pulls them (anchor first, across all requests) with its own scheduler.
+region in a registered pool; D pulls them with its own scheduler, ranked across requests by what unblocks
+output (``ranking.py``).
 
     from lynx_connector.transport import TransportConfig, TransferSource, TransferSink
     cfg = TransportConfig(key=load_side_channel_key())  # the deployment key (None: insecure, tests only)
@@ -15,7 +16,7 @@ Settings chosen on the 2-core CPU box (NIXL 1.5.1 / UCX 1.23, measured; see ``ly
   still complete: D's service thread drives its agent (``transfer``/``check_xfer_state``), and P's service thread
   pumps its agent every ``target_progress_s`` (5 ms) only while published requests are live — needed for
   ``UCX_TLS=tcp`` (target-side progress), harmless with cma. Both threads block in ``zmq.Poller`` when idle.
-* Priority by chunking (1 MiB chunks, strict anchor-first queue), one agent, ``num_workers=1``: with cma,
+* Priority by chunking (1 MiB chunks, ranked by ``ranking.py``), one agent, ``num_workers=1``: with cma,
   ``transfer()`` is synchronous (the READ happens inside the call), so the posting thread itself is the
   serialization point; a second UCX worker/agent would only help with a second posting thread. Measured: a new
   1 MiB anchor behind a 128 MiB residual being read completes in ~1-4 ms with 1 MiB chunks vs ~26-30 ms
@@ -23,8 +24,8 @@ Settings chosen on the 2-core CPU box (NIXL 1.5.1 / UCX 1.23, measured; see ``ly
   (``UCX_TLS=tcp``).
 * Pacing: token bucket on D (``link_gbps``), starting each busy period with one chunk of credit and holding at
   most ``burst_s`` (20 ms) of credit to absorb wake-up jitter (5 ms lost up to half the rate at 25 Gb/s on
-  the loaded box). Residuals are held (<= ``anchor_holdoff_s``, 20 ms) while a pulled request's regions are
-  still being queried, so the anchors of concurrently pulled requests all go first.
+  the loaded box). Streams other than speculative anchors are held (<= ``anchor_holdoff_s``, 20 ms) while a
+  speculative pull's regions are still being queried, so its anchor goes first.
 """
 
 from lynx_connector.transport.config import TransportConfig

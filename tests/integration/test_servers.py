@@ -18,7 +18,7 @@ def deployment(tmp_path_factory, model):
     from lynx_connector.lab.launch import Deployment
     cfg = json.dumps({"kv_connector": "lynx",
                       "kv_connector_extra_config": {"mode": "full", "link_gbps": 0.5, "lease_s": 60,
-                                                    "allowed_modes": "full,speculative,bf16,int8"}})
+                                                    "allowed_modes": "full,speculative,bf16,int8,auto"}})
     with Deployment(model, tmp_path_factory.mktemp("servers"), kv_transfer_config=cfg,
                     max_model_len=4096) as dep:
         yield dep
@@ -48,6 +48,34 @@ def test_completion_through_the_proxy_finds_the_needle(deployment, needle, mode)
         "model": str(model_dir()), "prompt": needle.token_ids, "max_tokens": 12, "temperature": 0,
         "kv_transfer_params": {"lynx_mode": mode}})
     assert needle.answer in out["choices"][0]["text"], out
+
+
+def test_auto_mode_is_served_and_its_choice_reported(deployment, needle):
+    """Issue 16.3: ``lynx_mode: auto`` through the proxy. P (link_gbps 0.5, no speculative scheduler) estimates
+    the 1200-token prompt's passthrough at ~0.9 s on the link against ~0.25 s for Lynx full, so it picks full
+    (speculative is no candidate without the scheduler); D reports the signed choice in its final output, P logs
+    and counts it."""
+    from lynx_connector.auto import AUTO_REASONS
+    from lynx_connector.lab.models import model_dir
+
+    out = post(deployment.url + "/v1/completions", {
+        "model": str(model_dir()), "prompt": needle.token_ids, "max_tokens": 12, "temperature": 0,
+        "kv_transfer_params": {"lynx_mode": "auto"}})
+    assert needle.answer in out["choices"][0]["text"], out
+    chosen = (out.get("kv_transfer_params") or {}).get("lynx_auto")
+    assert chosen == {"mode": "full", "reason": "slow_link_no_speculation"}, out.get("kv_transfer_params")
+    assert chosen["reason"] in AUTO_REASONS
+    assert re.search(r"auto chose full \(slow_link_no_speculation\): link 0.5 Gbit/s \(configured\)",
+                     deployment.prefill.log_path.read_text())
+    deadline = time.monotonic() + 30
+    pattern = (r'vllm:lynx_auto_choices_total\{[^}]*mode="full"[^}]*reason="slow_link_no_speculation"[^}]*\} '
+               r'[1-9]')
+    while True:
+        with urllib.request.urlopen(deployment.prefill.url + "/metrics", timeout=10) as resp:
+            if re.search(pattern, resp.read().decode()):
+                break
+        assert time.monotonic() < deadline, "P did not export vllm:lynx_auto_choices"
+        time.sleep(1)
 
 
 def test_streaming_chat_through_the_proxy(deployment):
