@@ -161,6 +161,10 @@ class LynxConfig:
     #: ``auto`` (P): the configured link's rate is used when ``link_gbps`` is set; otherwise P measures it from
     #: the transfers D completed within this many recent seconds (none yet: passthrough).
     auto_window_s: float = 30.0
+    #: ``auto`` (P): whether its Ds can speculate (run the speculative scheduler); null = when P itself runs it
+    #: (the ``lynx:auto`` preset sets it on P and D alike). Set it true on a P without the scheduler whose Ds
+    #: run ``lynx:speculative`` or ``lynx:auto``.
+    auto_speculative: bool | None = None
 
     def __post_init__(self) -> None:
         if not is_requestable(self.mode):
@@ -262,6 +266,8 @@ class LynxConfig:
         for key in ("insecure_side_channel", "report_speculation"):
             if key in extra:
                 kw[key] = _as_bool(key, extra[key])
+        if extra.get("auto_speculative") not in (None, "", "null", "none"):
+            kw["auto_speculative"] = _as_bool("auto_speculative", extra["auto_speculative"])
         if "transfer_order" in extra:
             kw["transfer_order"] = str(extra["transfer_order"]).strip().lower()
         if "allowed_modes" in extra:

@@ -203,8 +203,8 @@ class LynxConnectorScheduler:
         if params.get("do_remote_decode"):
             mode = self._request_mode(request.request_id, params)
             if mode == AUTO_MODE:
-                mode, self._auto_reason[request.request_id] = self._auto.choose(request, self._kv_dtype,
-                                                                                self.speculation_enabled)
+                spec = self.speculation_enabled if self.config.auto_speculative is None else self.config.auto_speculative
+                mode, self._auto_reason[request.request_id] = self._auto.choose(request, self._kv_dtype, spec)
             if mode is not None:
                 self._save_tracked[request.request_id] = request
                 self._save_mode[request.request_id] = mode

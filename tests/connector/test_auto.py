@@ -140,6 +140,14 @@ def test_p_chooses_per_request_signs_the_choice_and_counts_it():
     assert all(reason in AUTO_REASONS for _, reason in s.stats.data["auto"])
 
 
+def test_auto_speculative_overrides_p_own_scheduler():
+    s, mgr = make_p(link_gbps=0.5, auto_speculative="true")  # P without the scheduler, its Ds run it
+    assert serve_on_p(s, mgr, p_req("r1", 1024, {"do_remote_decode": True}))[0] == "speculative"
+    s, mgr = make_p(link_gbps=0.5, auto_speculative=False)
+    s.speculation_enabled = True
+    assert serve_on_p(s, mgr, p_req("r1", 1024, {"do_remote_decode": True}))[0] == "full"
+
+
 def test_p_uses_the_measured_link_and_the_queue_when_no_rate_is_configured():
     s, mgr = make_p()
     assert serve_on_p(s, mgr, p_req("a", 1024, {"do_remote_decode": True}))[0] == "bf16"  # nothing known yet
