@@ -490,3 +490,29 @@ def test_p_kv_beyond_the_codecs_range_fails_that_request_only(pair, monkeypatch,
     assert "range_kv" in errors["d1"] and "65504" in errors["d1"], errors["d1"]
     assert errors["d2"] is None
     assert_staging_freed(p, d)
+
+
+def test_the_modes_pull_order_reaches_the_sink_and_p_reports_the_link(pair, monkeypatch):
+    """Issue 16: D's pull carries its mode's ranking class (speculative: split, full: whole); P's worker measures
+    the link from the reads D completed and reports it with the bytes still staged (auto's inputs)."""
+    make, _ = pair
+    (p, _), (d, _) = make("kv_producer", mode="speculative"), make("kv_consumer", mode="speculative")
+    orders: dict[str, str] = {}
+    real_pull = d.sink.pull
+    monkeypatch.setattr(d.sink, "pull", lambda req_id, *a, order="split", **kw: (
+        orders.__setitem__(req_id, order), real_pull(req_id, *a, order=order, **kw))[1])
+    for req, mode in (("p1", "speculative"), ("p2", "full")):
+        publish(p, mode, req)
+    p.take_worker_meta()  # the first report (nothing read yet)
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, "speculative", "d1", "p1"),
+                                                     recv_spec(p, "full", "d2", "p2")]))
+    done: set[str] = set()
+    poll_until([p, d], lambda: done.update(d.take_results()[0]) or {"d1", "d2"} <= done)
+    poll_until([p, d], lambda: p.source.stats()["requests_live"] == 0)
+    assert orders == {"d1": "split", "d2": "whole"}
+    time.sleep(0.11)
+    p.poll()
+    meta = p.take_worker_meta()
+    assert meta is not None and meta.p_link is not None
+    rate, queued, encode_s = meta.p_link
+    assert rate > 0 and queued == 0 and encode_s > 0  # both Lynx encodes measured
