@@ -44,7 +44,6 @@ AUTO_KEY = "lynx_auto"
 #: The ``reason`` label of ``vllm:lynx_auto_choices``.
 AUTO_REASONS: tuple[str, ...] = ("only_choice", "no_link_rate", "fast_link", "slow_link",
                                  "slow_link_no_speculation")
-PASSTHROUGH = "bf16"
 
 
 @dataclass(frozen=True)
@@ -80,13 +79,13 @@ def choose(candidates: Sequence[str], link: LinkView, req: AutoRequest, speculat
         raise ValueError("auto has no candidate mode")
     usable = [m for m in candidates
               if not get_mode(m).late_residual or (speculation and req.early_first_token)]
-    if not usable:  # only speculative allowed, and this request cannot use it: served as its fallback by D
+    if not usable:  # only speculative allowed: it stays the choice, its first token waits for the residual
         usable = list(candidates)
     if len(usable) == 1:
         return AutoChoice(usable[0], "only_choice", {})
     rate = link.bytes_per_s
     if rate is None or rate <= 0:
-        mode = PASSTHROUGH if PASSTHROUGH in usable else usable[0]
+        mode = next((m for m in usable if get_mode(m).lossless), usable[0])  # the passthrough
         return AutoChoice(mode, "no_link_rate", {})
     wait = max(0.0, link.queued_bytes / rate - req.prefill_s)
     est: dict[str, float] = {}
