@@ -207,6 +207,14 @@ class PullState:
     pending: set[str] = field(default_factory=set)
     failed: bool = False
     done_sent: bool = False
+    #: Concurrent flow: the proxy sent the request to P and D at once, so "unknown request" means "not yet"
+    #: until the pull's deadline (which then covers P's queue and prefill).
+    early: bool = False
+    #: Pipelined transfer: bytes of (anchor, residual) P has made readable, while P still publishes layers
+    #: (None: the whole regions are readable); when to ask again; when they last grew.
+    ready: tuple[int, int] | None = None
+    requery_at: float | None = None
+    progress_at: float = 0.0
 
 
 class DoneCourier:

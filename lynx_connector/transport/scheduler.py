@@ -48,6 +48,14 @@ class StreamJob:
     inflight: int = 0
     finished: bool = False
     t_first_post: float | None = None
+    #: Bytes P has made readable so far (layer-wise publish); None = all ``nbytes``. Chunks are posted only
+    #: below it; the owner raises it with `TransferScheduler.extend`.
+    ready: int | None = None
+
+    @property
+    def postable(self) -> int:
+        """Bytes that may be posted now and are not yet."""
+        return (self.nbytes if self.ready is None else min(self.ready, self.nbytes)) - self.posted
 
 
 @dataclass
@@ -110,6 +118,15 @@ class TransferScheduler:
             self._bucket.idle_reset(self._cfg.chunk_bytes, self._clock())
         self._queues[job.stream].append(job)
 
+    def extend(self, req_id: str, ready: dict[str, int | None]) -> None:
+        """More of a request's streams became readable on P (``ready[stream]``: bytes, None = all)."""
+        if self._bucket is not None and self.idle:
+            self._bucket.idle_reset(self._cfg.chunk_bytes, self._clock())
+        for stream, n in ready.items():
+            for job in self._queues[stream]:
+                if job.req_id == req_id and (job.ready is not None):
+                    job.ready = None if n is None or n >= job.nbytes else max(job.ready, n)
+
     def pending_requests(self) -> set[str]:
         """Requests with a stream queued or in flight."""
         ids = {j.req_id for q in self._queues.values() for j in q}
@@ -170,7 +187,7 @@ class TransferScheduler:
             if job.stream == RESIDUAL and now < self.hold_residual_until:
                 wait = self.hold_residual_until - now
                 break
-            n = min(self._cfg.chunk_bytes, job.nbytes - job.posted)
+            n = min(self._cfg.chunk_bytes, job.postable)
             if self.inflight_bytes and self.inflight_bytes + n > self._cfg.window_bytes:
                 break
             if self._bucket is not None:
@@ -191,7 +208,7 @@ class TransferScheduler:
     def _next_job(self) -> StreamJob | None:
         for stream in (ANCHOR, RESIDUAL):
             for job in self._queues[stream]:
-                if job.posted < job.nbytes:
+                if job.postable > 0:
                     return job
         return None
 
