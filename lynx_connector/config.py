@@ -151,6 +151,14 @@ class LynxConfig:
     #: How long the kv_transfer_params P signs stay valid for D, seconds; null = P's lease (``lease_s`` as
     #: resolved: P frees an unread request's staging by then anyway). P's and D's clocks must agree well within it.
     params_ttl_s: float | None = None
+    #: P encodes and publishes a request's planes layer by layer inside the forward of the step in which its
+    #: prompt completes (``save_kv_layer``), so D reads the first layers while P computes the rest (pipelined
+    #: transfer, docs/PROTOCOL.md section 6); false: after the forward, the whole request at once.
+    layerwise: bool = True
+    #: D, concurrent flow (``lynx proxy --flow pipelined`` sends a request to P and D at once): how long D waits
+    #: for P to start publishing it (P's queue and prefill) before ``kv_load_failure_policy`` applies, seconds.
+    #: D holds the request's KV blocks meanwhile.
+    concurrent_wait_s: float = 120.0
     #: How D ranks the streams of concurrent pulls (lynx_connector/transport/ranking.py): ``srpt`` (speculative
     #: anchors first, then the units that unblock output, fewest bytes left first), ``arrival`` (those units in
     #: the order they became ready) or ``anchor_first`` (every anchor before any residual: the rule before issue
@@ -252,7 +260,7 @@ class LynxConfig:
             if key in extra:
                 kw[key] = _as_int(key, extra[key], minimum=lo, maximum=hi)
         for key, lo in (("lease_s", 0.1), ("timeout_s", 0.1), ("speculative_min_margin", 0.0),
-                        ("max_stream_wait_s", 0.001), ("auto_window_s", 0.1)):
+                        ("concurrent_wait_s", 1.0), ("max_stream_wait_s", 0.001), ("auto_window_s", 0.1)):
             if key in extra:
                 kw[key] = _as_float(key, extra[key], minimum=lo, allow_none=key == "lease_s")
         if "side_channel_host" in extra:
@@ -263,7 +271,7 @@ class LynxConfig:
         if "status_dir" in extra:
             sd = extra["status_dir"]
             kw["status_dir"] = None if sd in (None, "") else str(sd)
-        for key in ("insecure_side_channel", "report_speculation"):
+        for key in ("insecure_side_channel", "report_speculation", "layerwise"):
             if key in extra:
                 kw[key] = _as_bool(key, extra[key])
         if extra.get("auto_speculative") not in (None, "", "null", "none"):

@@ -104,7 +104,11 @@ class LynxConnector(KVConnectorBase_V1):
         return None  # loads are asynchronous between steps, never inside a forward
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        return None  # P encodes whole requests after the forward (wait_for_save): groups span blocks and layers
+        # P, layer-wise publish: encode this layer of the requests whose prompt completes in this step
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, LynxConnectorMetadata)
+        if meta.reqs_to_save:
+            self._worker().save_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()

@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from lynx_connector.auto import AUTO_KEY, AUTO_REASONS
 from lynx_connector.compat import staged_dtype_names
+from lynx_connector.concurrent import CONCURRENT, FLOW_KEY
 from lynx_connector.fanout import CHILD_KEYS, CHILDREN_KEY, MAX_CHILDREN, child_of
 from lynx_connector.modes import MODE_NAMES, is_mode
 
@@ -75,6 +76,8 @@ class RecvSpec:
     token: str = ""
     #: P's KV cache dtype (``lynx_kv_dtype``: the dtype the planes were staged from); "" = D's own.
     kv_dtype: str = ""
+    #: Concurrent flow: P may not have the request yet; D waits for it (``concurrent_wait_s``).
+    concurrent: bool = False
 
     def port_for_rank(self, tp_rank: int) -> int:
         """The side-channel port of P's worker that holds this D worker's shard of the KV."""
@@ -158,6 +161,9 @@ class RemotePrefill:
     #: P's KV cache dtype, the dtype its planes were staged from (lynx_connector/compat.py); "" = not announced
     #: (D assumes its own).
     kv_dtype: str = ""
+    #: Concurrent flow (lynx_connector/concurrent.py): the proxy sent the request to P and D at once, so P may
+    #: not have it yet; ``num_tokens`` 0 = the whole prompt.
+    concurrent: bool = False
     #: Why ``auto`` chose ``mode`` (``lynx_auto``, one of lynx_connector.auto.AUTO_REASONS); "" = not an auto choice.
     auto_reason: str = ""
 
@@ -180,6 +186,8 @@ class RemotePrefill:
             params["lynx_first_token"] = self.first_token
         if self.kv_dtype:
             params["lynx_kv_dtype"] = self.kv_dtype
+        if self.concurrent:
+            params[FLOW_KEY] = CONCURRENT
         if self.auto_reason:
             params[AUTO_KEY] = self.auto_reason
         return params
@@ -213,7 +221,10 @@ class RemotePrefill:
                 or not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in ports)):
             raise InvalidTransferParams(f"lynx_ports must be a non-empty list of TCP ports, got {ports!r}")
         num_tokens = need("remote_num_tokens", int)
-        if num_tokens <= 0:
+        concurrent = params.get(FLOW_KEY) == CONCURRENT  # lynx_connector/concurrent.py
+        if FLOW_KEY in params and not concurrent:
+            raise InvalidTransferParams(f"{FLOW_KEY} must be {CONCURRENT!r} when present, got {params[FLOW_KEY]!r}")
+        if num_tokens < 0 or (num_tokens == 0 and not concurrent):
             raise InvalidTransferParams(f"remote_num_tokens must be > 0, got {num_tokens}")
         mode = need("lynx_mode", str)
         if not is_mode(mode):
@@ -236,7 +247,7 @@ class RemotePrefill:
             raise InvalidTransferParams(f"{AUTO_KEY} must be one of {', '.join(AUTO_REASONS)}, got {str(auto)[:64]!r}")
         return cls(engine_id=engine_id, request_id=request_id, host=host, ports=tuple(ports),
                    num_tokens=num_tokens, mode=mode, transfer_id=transfer_id, token=token,
-                   first_token=first, kv_dtype=kv_dtype, auto_reason=auto)
+                   first_token=first, kv_dtype=kv_dtype, concurrent=concurrent, auto_reason=auto)
 
 
 def for_child(params: dict[str, Any], req_id: str | None) -> dict[str, Any]:

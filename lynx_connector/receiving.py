@@ -169,7 +169,9 @@ class ReceiveHalf:
         try:
             port = spec.port_for_rank(self.tp_rank)
             self.sink.pull(spec.req_id, spec.remote_host, port, spec.transfer_id, spec.token,
-                           staged.anchor, staged.residual if r else None, order=get_mode(spec.mode).pull_order)
+                           staged.anchor, staged.residual if r else None,
+                           wait_s=self.config.concurrent_wait_s if spec.concurrent else None,
+                           order=get_mode(spec.mode).pull_order)
         except ValueError as exc:
             self._finish_recv(rec, error=f"cannot pull: {exc}")
         return True

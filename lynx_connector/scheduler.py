@@ -22,10 +22,12 @@ the same step the blocks are freed (the worker drops it before it could write ag
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Set
 from typing import TYPE_CHECKING, Any
 
 from lynx_connector.auto import AUTO_KEY, AutoPolicy
+from lynx_connector.concurrent import CONCURRENT, FLOW_KEY
 from lynx_connector.config import LynxConfig
 from lynx_connector.fanout import CHILDREN_KEY, SiblingBook
 from lynx_connector.logger import init_logger
@@ -37,6 +39,7 @@ from lynx_connector.metadata import (
     RecvSpec,
     RemotePrefill,
     SaveSpec,
+    is_ticket_part,
     mint_ticket,
 )
 from lynx_connector.modes import AUTO_MODE, MODE_NAMES, get_mode, is_requestable
@@ -80,6 +83,8 @@ class LynxConnectorScheduler:
         self._save_aborted: list[str] = []
         # P: each saved request's (transfer_id, token), minted here, handed to the workers and returned to D
         self._save_ticket: dict[str, tuple[str, str]] = {}
+        # P, concurrent flow: the tickets the proxy minted (and signed), by request, until the request is saved
+        self._given_ticket: dict[str, tuple[str, str]] = {}
         # P: the finished children of each request vLLM fanned out (n > 1), listed in the last one's params
         self._siblings = SiblingBook(keep_s=config.effective_lease_s)
         # D: local prefix-hit tokens seen by get_num_new_matched_tokens; pulls to start; pulls in flight.
@@ -138,13 +143,16 @@ class LynxConnectorScheduler:
         400-style ``lynx_error`` instead of remote-prefill params (the proxy answers the client with it)."""
         mode = params.get("lynx_mode")
         if mode is None:
-            return self.config.mode
+            mode = self.config.mode
         if not is_requestable(mode):
             message = (f"lynx_mode {str(mode)[:64]!r} is not a transfer mode (known: {', '.join(MODE_NAMES)}, "
                        f"{AUTO_MODE})")
         elif not self.config.mode_allowed(mode):
             message = (f"lynx_mode {mode!r} is not allowed on this deployment (allowed_modes: "
                        f"{', '.join(self.config.allowed_modes)})")
+        elif mode == AUTO_MODE and params.get(FLOW_KEY) == CONCURRENT:
+            message = ("lynx_mode 'auto' needs the sequential flow (P chooses, its answer tells D); the concurrent "
+                       "flow tells D the mode before P prefills: name a transfer mode")
         else:
             return mode
         self._refused[req_id] = {"message": message, "type": "BadRequestError",
@@ -176,6 +184,8 @@ class LynxConnectorScheduler:
                 allowed = ", ".join(self.config.allowed_modes)
                 raise ParamsRefused("mode_not_allowed", f"lynx_mode {remote.mode!r} is not allowed on this decode "
                                                         f"instance (allowed_modes: {allowed})")
+            if remote.concurrent and remote.num_tokens == 0:  # the proxy sent "the whole prompt"
+                remote = dataclasses.replace(remote, num_tokens=request.num_prompt_tokens)
             check_prompt(params, getattr(request, "prompt_token_ids", None), remote.num_tokens)
         except ParamsRefused as exc:
             _pulled(request)
@@ -205,6 +215,8 @@ class LynxConnectorScheduler:
             if mode == AUTO_MODE:
                 spec = self.speculation_enabled if self.config.auto_speculative is None else self.config.auto_speculative
                 mode, self._auto_reason[request.request_id] = self._auto.choose(request, self._kv_dtype, spec)
+            if mode is not None and params.get(FLOW_KEY) == CONCURRENT and not self._take_given_ticket(request):
+                mode = None
             if mode is not None:
                 self._save_tracked[request.request_id] = request
                 self._save_mode[request.request_id] = mode
@@ -233,6 +245,7 @@ class LynxConnectorScheduler:
             transfer_id=remote.transfer_id,
             token=remote.token,
             kv_dtype=remote.kv_dtype,
+            concurrent=remote.concurrent,
         )
         self._recv_pending.append(spec)
         if remote.auto_reason:  # reported in its final output
@@ -246,6 +259,28 @@ class LynxConnectorScheduler:
                 if remote.first_token is not None:
                     self.spec_first_token[request.request_id] = remote.first_token
             self._faults.on_pull(request.request_id, params)
+
+    def _take_given_ticket(self, request: Request) -> bool:
+        """P, concurrent flow (lynx_connector/concurrent.py): the proxy minted the request's transfer id and
+        token and gave them to D already; stage under them only when the proxy's signature verifies (a client
+        must never choose a transfer id). False: refused, the response carries the error."""
+        params, req_id = request.kv_transfer_params, request.request_id
+        try:
+            self._signer.verify(params)
+            tid, token = params.get("lynx_transfer_id"), params.get("lynx_token")
+            if not (is_ticket_part(tid) and is_ticket_part(token)):
+                raise ParamsRefused("malformed", "lynx_transfer_id and lynx_token must be 32 lower-case hex "
+                                                 "characters")
+        except ParamsRefused as exc:
+            message = f"concurrent-flow params refused ({exc.reason}): {exc}"
+            self._refused[req_id] = {"message": message, "type": "BadRequestError",
+                                     "param": "kv_transfer_params", "code": 400}
+            self.stats.record_refusal(exc.reason)
+            self._refusal_log.warn(req_id, exc, what="concurrent-flow params", outcome="not staged, its response "
+                                                                                       "carries the error")
+            return False
+        self._given_ticket[req_id] = (tid, token)
+        return True
 
     def _discard_unpulled(self, request: Request, params: dict[str, Any]) -> None:
         """D: a request that ended before its pull was set up (aborted while waiting, e.g. its client left):
@@ -324,7 +359,7 @@ class LynxConnectorScheduler:
             assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
             n_blocks = -(-req.num_prompt_tokens // self.block_size)
             block_ids = list(self._kv_cache_manager.get_block_ids(req_id)[0][:n_blocks])
-            tid, token = self._save_ticket[req_id] = mint_ticket()
+            tid, token = self._save_ticket[req_id] = self._given_ticket.pop(req_id, None) or mint_ticket()
             meta.reqs_to_save.append(SaveSpec(req_id=req_id, block_ids=block_ids, num_tokens=req.num_prompt_tokens,
                                               mode=self._save_mode[req_id], transfer_id=tid, token=token))
             self._saved.add(req_id)
@@ -369,6 +404,7 @@ class LynxConnectorScheduler:
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill"):
             self._discard_unpulled(request, params)
+        self._given_ticket.pop(req_id, None)
         if self._save_tracked.pop(req_id, None) is None:
             out = {} if error is None else {"lynx_error": error}
             if report is not None:  # D: what auto chose for this request, in its final output

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lynx_connector.auto import AUTO_KEY
+from lynx_connector.concurrent import FLOW_KEY
 from lynx_connector.fanout import CHILDREN_KEY, MAX_CHILDREN
 from lynx_connector.logger import init_logger
 
@@ -44,7 +45,7 @@ PROMPT_KEY = "lynx_prompt_sha"
 SIGNED_KEYS: tuple[str, ...] = (
     "do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
     "lynx_ports", "remote_num_tokens", "lynx_mode", "lynx_version", "lynx_transfer_id", "lynx_token", "lynx_first_token",
-    "lynx_kv_dtype", AUTO_KEY, CHILDREN_KEY, PROMPT_KEY, EXPIRES_KEY,
+    "lynx_kv_dtype", FLOW_KEY, AUTO_KEY, CHILDREN_KEY, PROMPT_KEY, EXPIRES_KEY,
 )
 #: Why D refused remote-prefill params (the ``reason`` label of ``vllm:lynx_refused_params``).
 REFUSAL_REASONS: tuple[str, ...] = ("unsigned", "bad_signature", "expired", "malformed", "mode_not_allowed",

@@ -1,4 +1,4 @@
-"""A guard around one vLLM 0.32 function that the Lynx speculative preset reaches and plain serving does not.
+"""Guards around two vLLM 0.32 functions that the Lynx speculative preset reaches and plain serving does not.
 
 `lynx:speculative` turns on vLLM's speculative-decoding path for every request on the instance (the Lynx
 scheduler feeds it the tokens decoded on the anchor). On that path vLLM runs its rejection sampler even for a
@@ -6,8 +6,18 @@ batch without a single draft token, and on the CPU backend its top-k step then t
 tensor: any request with ``top_k`` (e.g. n > 1 with ``top_k=1``) killed the engine with ``RuntimeError: max():
 Expected reduction dim to be specified for input.numel() == 0`` (``vllm/v1/sample/ops/topk_topp_sampler.py``,
 ``apply_top_k_only``). The guard returns an empty batch unchanged, which is what the function does for any
-other batch size; everything else goes to vLLM's function untouched. Installed by the plugin in every vLLM
-process; idempotent; a vLLM without that function is left alone.
+other batch size; everything else goes to vLLM's function untouched.
+
+Second, on the same path with a non-greedy request in the batch, the rejection sampler expands each request's
+temperature, top-k and top-p to its draft tokens (``expand_batch_to_tokens``, ``vllm/v1/sample/
+rejection_sampler.py``). On the CPU backend that kernel (``vllm/utils/cpu_triton_utils.py``,
+``_expand_kernel_impl``) converts the int32/float32 output tensor to int64 and writes into the *copy*: the
+tensor the sampler reads stays uninitialised memory (and a float temperature is truncated to an integer on the
+way in). With ``top_k`` set that killed the engine (``RuntimeError: selected index k out of range`` when the
+garbage exceeded the vocabulary) or silently sampled with garbage parameters. The guard computes the expansion
+with plain torch on CPU tensors (the same result the kernel documents); other devices go to vLLM's function.
+
+Installed by the plugin in every vLLM process; idempotent; a vLLM without those functions is left alone.
 """
 
 from __future__ import annotations
@@ -42,4 +52,32 @@ def guard_empty_top_k() -> bool:
 
     setattr(apply_top_k_only, _MARK, True)
     mod.apply_top_k_only = apply_top_k_only
+    return True
+
+
+def guard_cpu_expand() -> bool:
+    """Install the CPU expansion of the rejection sampler's per-request parameters; True when it is in place."""
+    try:
+        from vllm.v1.sample import rejection_sampler as mod
+    except Exception:
+        return False
+    original = getattr(mod, "expand_batch_to_tokens", None)
+    if original is None:
+        return False
+    if getattr(original, _MARK, False):
+        return True
+
+    @functools.wraps(original)
+    def expand_batch_to_tokens(x: Any, cu_num_tokens: Any, num_tokens: int, replace_from: Any = 0,
+                               replace_to: Any = 0) -> Any:
+        if x.device.type != "cpu":
+            return original(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+        import torch
+
+        counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
+        values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+        return torch.repeat_interleave(values, counts, output_size=num_tokens)
+
+    setattr(expand_batch_to_tokens, _MARK, True)
+    mod.expand_batch_to_tokens = expand_batch_to_tokens
     return True

@@ -30,6 +30,7 @@ from lynx_connector.codec import (
 )
 from lynx_connector.compat import dtype_name, kv_compat
 from lynx_connector.config import LynxConfig
+from lynx_connector.layerwise import StagingJob
 from lynx_connector.logger import init_logger
 from lynx_connector.metadata import (
     LynxConnectorMetadata,
@@ -43,6 +44,7 @@ from lynx_connector.saving import SaveQueue
 from lynx_connector.stats import LynxStats, TransportExporter
 from lynx_connector.testing import fault_hooks
 from lynx_connector.transport import (
+    StagingFullError,
     TransferSink,
     TransferSource,
     load_side_channel_key,
@@ -81,6 +83,11 @@ class LynxConnectorWorker(ReceiveHalf):
         self._init_receive()  # D's pulls (receiving.py)
         self._step = 0  # poll() calls, one per engine step
         self._faults = fault_hooks(config)  # test-only (lynx_connector.testing)
+        # P, layer-wise publish: requests being encoded in this step's forward, and those rejected meanwhile
+        self._layerwise: dict[str, StagingJob] = {}
+        self._layerwise_failed: set[str] = set()
+        self._layerwise_meta: LynxConnectorMetadata | None = None
+        self._layer_index: dict[str, int] = {}
         # The side channel's deployment key, read once at start-up (a missing or bad key fails start-up here)
         self._key = load_side_channel_key(insecure=config.insecure_side_channel)
 
@@ -95,6 +102,7 @@ class LynxConnectorWorker(ReceiveHalf):
             self.tp_rank, tp_size = 0, 1
         self._exporter.rank = self.tp_rank
         self.layers = list(kv_caches.items())
+        self._layer_index = {name: i for i, (name, _) in enumerate(self.layers)}
         if not self.layers:
             raise ValueError("LynxConnector: register_kv_caches got no KV cache tensors")
         first = self.layers[0][1]
@@ -161,58 +169,139 @@ class LynxConnectorWorker(ReceiveHalf):
                              len(meta.reqs_to_save))
             return
         assert self.saves is not None
-        for req_id in meta.save_aborted:
-            self.saves.abort(req_id)
+        if meta is not self._layerwise_meta:  # no layer was saved in this step's forward (or layerwise is off)
+            for req_id in meta.save_aborted:
+                self.saves.abort(req_id)
         self.saves.retry()  # room freed since the last step goes to the requests already waiting, in order
         for spec in meta.reqs_to_save:
-            self._faults.track(spec.req_id, meta.test_hooks.get(spec.req_id))
+            if spec.req_id not in self._layerwise and spec.req_id not in self._layerwise_failed:
+                self._faults.track(spec.req_id, meta.test_hooks.get(spec.req_id))
             self.saves.submit(spec)
+        for req_id in list(self._layerwise):  # begun in the forward but not staged by the queue (D gave up on it)
+            del self._layerwise[req_id]
+            self.source.abort(req_id)
+        self._layerwise_failed.clear()
 
     def _encode_request(self, spec: SaveSpec) -> None:
-        """Stage, encode and publish one request; `StagingFullError` when the pool has no room (the save queue
-        then waits for room); any other failure rejects the request, so D hears why at once."""
+        """Stage, encode and publish one request (the save queue's ``stage``): the layers ``save_kv_layer``
+        encoded already are kept. `StagingFullError` when the pool has no room (the save queue then waits for
+        room); any other failure rejects the request, so D hears why at once."""
+        job = self._layerwise.pop(spec.req_id, None)
+        if job is None:
+            if spec.req_id in self._layerwise_failed:
+                self._layerwise_failed.discard(spec.req_id)
+                return  # rejected while its layers were being encoded: D has been told
+            job = self._begin(spec)
+            if job is None:
+                return
+        try:
+            for i in range(len(self.layers)):
+                if i not in job.encoded:
+                    self._encode_layer(job, i)
+        except Exception as exc:
+            self._encode_failed(job, exc)
+            return
+        self.source.publish(spec.req_id)
+        a, r = job.layout.nbytes
+        self.stats.record_encode(a, r, time.perf_counter() - job.t0)
+
+    def _begin(self, spec: SaveSpec) -> StagingJob | None:
+        """Allocate a request's staging (`StagingFullError` when the pool has no room); None when it was
+        rejected (it can never fit, or a test hook made its KV bad)."""
         assert self.source is not None and self.layout is not None
         t0 = time.perf_counter()
         sl = self._plane_nbytes(spec.mode, spec.num_tokens)
         a, r = sl.nbytes
-        codec = self._codec(spec.mode)
         if a + r > self.source.pool.nbytes:  # can never fit: no point in waiting for room
             msg = (f"the request needs {a + r} bytes of staging, more than P's whole pool "
                    f"(staging_mb={self.source.pool.nbytes >> 20})")
             logger.error("LynxConnector: request %s not sent: %s", spec.req_id, msg)
             self.source.reject(spec.req_id, "too_large", msg)
             self.stats.record_failure("too_large")
-            return
+            return None
         staged = self.source.alloc(spec.req_id, a, r, transfer_id=spec.transfer_id or None,
                                    token=spec.token or None)
         sid = staging_id(self.source.ticket(spec.req_id)[0], staged.generation)  # seeds the checksums
-        try:
-            self._faults.out_of_range_kv(spec.req_id, self.layers[0][1], self.layout, spec.block_ids, spec.num_tokens)
-            for i, (name, kv) in enumerate(self.layers):
-                encode(codec, kv, spec.block_ids, self.layout, spec.num_tokens,
-                       sl.anchor.plane(staged.anchor, i), sl.residual.plane(staged.residual, i) if r else None,
-                       layer_name=name)
-                sl.anchor.seal(staged.anchor, i, sid)  # checksums right after the layer is encoded
-                if r:
-                    sl.residual.seal(staged.residual, i, sid)
-        except (NonFiniteKVError, KVRangeError) as exc:  # the data, not P: only this request fails, D hears why
+        self._faults.out_of_range_kv(spec.req_id, self.layers[0][1], self.layout, spec.block_ids, spec.num_tokens)
+        return StagingJob(spec.req_id, spec, self._codec(spec.mode), sl, staged, sid, t0)
+
+    def _encode_layer(self, job: StagingJob, i: int) -> None:
+        name, kv = self.layers[i]
+        assert self.layout is not None
+        t0 = time.perf_counter()
+        encode(job.codec, kv, job.spec.block_ids, self.layout, job.spec.num_tokens, job.anchor_plane(i),
+               job.residual_plane(i), layer_name=name)
+        job.seal(i)  # checksums right after the layer is encoded
+        if job.codec.name == LYNX_CODEC and job.spec.num_tokens:  # auto's estimate of the Lynx codec's cost
+            per = (time.perf_counter() - t0) * len(self.layers) / job.spec.num_tokens
+            last = self._lynx_encode_s_per_token
+            self._lynx_encode_s_per_token = per if not last else last + 0.1 * (per - last)
+
+    def _encode_failed(self, job: StagingJob, exc: Exception) -> None:
+        """Reject a request whose encode failed: bad data (non-finite or out-of-range KV) fails only this
+        request, and D hears why; any other error is logged with its traceback (a bug), never fails P."""
+        assert self.source is not None
+        if isinstance(exc, (NonFiniteKVError, KVRangeError)):
             bad = "nonfinite" if isinstance(exc, NonFiniteKVError) else "range"
             what = "is not finite" if bad == "nonfinite" else "is beyond the codec's range (|x| <= 65504)"
-            logger.error("LynxConnector: request %s not sent: %s", spec.req_id, exc)
-            self.source.reject(spec.req_id, f"{bad}_kv", f"P's KV of the request {what}: {exc}")
+            logger.error("LynxConnector: request %s not sent: %s", job.req_id, exc)
+            self.source.reject(job.req_id, f"{bad}_kv", f"P's KV of the request {what}: {exc}")
             self.stats.record_failure(bad)
             return
-        except Exception as exc:  # a bug or bad input must fail this request, not P's engine
-            logger.exception("LynxConnector: encoding request %s failed", spec.req_id)
-            self.source.reject(spec.req_id, "encode_failed", f"P could not encode the request: {exc}")
-            self.stats.record_failure("encode")
+        logger.error("LynxConnector: encoding request %s failed", job.req_id, exc_info=exc)
+        self.source.reject(job.req_id, "encode_failed", f"P could not encode the request: {exc}")
+        self.stats.record_failure("encode")
+
+    # ---- P: encode inside the forward, layer by layer (config.layerwise) ---------------------------------
+    def save_layer(self, layer_name: str, meta: LynxConnectorMetadata) -> None:
+        """After attention layer ``layer_name`` wrote its KV in this step's forward: encode that layer of every
+        request whose prompt completes in this step and publish it (D reads it while P computes the rest)."""
+        if self.source is None or self.saves is None or not self.config.layerwise:
             return
-        self.source.publish(spec.req_id)
-        seconds = time.perf_counter() - t0
-        self.stats.record_encode(a, r, seconds)
-        if codec.name == LYNX_CODEC and spec.num_tokens:  # auto's estimate of the Lynx codec's cost
-            per, last = seconds / spec.num_tokens, self._lynx_encode_s_per_token
-            self._lynx_encode_s_per_token = per if not last else last + 0.3 * (per - last)
+        if meta is not self._layerwise_meta:  # the first layer of a new step
+            self._layerwise_meta = meta
+            self._begin_layerwise(meta)
+        i = self._layer_index.get(layer_name)
+        if i is None or not self._layerwise:
+            return
+        for job in list(self._layerwise.values()):
+            if i in job.encoded or job.spec is None:
+                continue
+            try:
+                self._encode_layer(job, i)
+            except Exception as exc:
+                del self._layerwise[job.req_id]
+                self._layerwise_failed.add(job.req_id)
+                self._encode_failed(job, exc)
+                continue
+            a, r = job.ready_bytes()
+            if a:
+                self.source.publish_partial(job.req_id, a, r)
+
+    def _begin_layerwise(self, meta: LynxConnectorMetadata) -> None:
+        """Stage this step's requests before its first layer is saved, while nothing waits for staging room
+        (a request that waits keeps its place in the queue: it is staged after the forward)."""
+        assert self.saves is not None
+        for req_id in meta.save_aborted:
+            self.saves.abort(req_id)
+        for spec in meta.reqs_to_save:
+            if self.saves.waiting or spec.req_id in self._layerwise:
+                break
+            self._faults.track(spec.req_id, meta.test_hooks.get(spec.req_id))
+            try:
+                job = self._begin(spec)
+            except StagingFullError:
+                break  # the save queue waits for room after the forward
+            except Exception as exc:
+                logger.error("LynxConnector: staging request %s failed", spec.req_id, exc_info=exc)
+                self.source.reject(spec.req_id, "encode_failed", f"P could not stage the request: {exc}")
+                self.stats.record_failure("encode")
+                self._layerwise_failed.add(spec.req_id)
+                continue
+            if job is None:
+                self._layerwise_failed.add(spec.req_id)
+            else:
+                self._layerwise[spec.req_id] = job
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """P: requests whose KV blocks may be freed (staged or given up, and finished in vLLM); after poll()."""

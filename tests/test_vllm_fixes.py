@@ -25,3 +25,33 @@ def test_empty_batch_is_returned_and_other_batches_are_vllms():
     assert torch.equal(mod.apply_top_k_only(logits.clone(), k.clone()), original(logits.clone(), k.clone()))
     # through vLLM's caller, as the rejection sampler calls it
     assert mod.apply_top_k_top_p_pytorch(empty, k0, None, allow_cpu_sync=True).shape == (0, 50)
+
+
+def test_cpu_expansion_of_sampling_parameters_is_correct():
+    """vLLM's CPU kernel writes the expansion into an int64 copy of the output (cpu_triton_utils, _expand_kernel_impl):
+    the tensor the rejection sampler reads keeps whatever memory held. The guard expands with torch."""
+    from vllm.utils import cpu_triton_utils
+    from vllm.v1.sample import rejection_sampler as mod
+
+    from lynx_connector.vllm_fixes import guard_cpu_expand
+
+    out = torch.full((6,), -7, dtype=torch.int32)
+    x, cu = torch.tensor([1, 5, 3], dtype=torch.int32), torch.tensor([2, 5, 6], dtype=torch.int32)
+    try:
+        import vllm._C  # noqa: F401  (registers the CPU ops)
+
+        cpu_triton_utils._expand_kernel_impl(out, x, cu, 0, 0)
+    except (ImportError, AttributeError, RuntimeError):  # no CPU op in this build: nothing to show
+        pass
+    else:
+        assert out.tolist() == [-7] * 6  # the bug: the caller's tensor was never written
+    plugin.register()
+    assert guard_cpu_expand() and getattr(mod.expand_batch_to_tokens, "_lynx_empty_batch_guard", False)
+    assert mod.expand_batch_to_tokens(x, cu, 6).tolist() == [1, 1, 5, 5, 5, 3]
+    temp = torch.tensor([0.7, -1.0, 1.3])
+    got = mod.expand_batch_to_tokens(temp, torch.tensor([1, 1, 3], dtype=torch.int32), 3, replace_from=-1.0,
+                                     replace_to=1)
+    assert torch.allclose(got, torch.tensor([0.7, 1.3, 1.3])) and got.dtype == torch.float32
+    assert mod.expand_batch_to_tokens(x, torch.tensor([0, 0, 0], dtype=torch.int32), 0).numel() == 0
+    top_k = torch.tensor([1, 1], dtype=torch.int64)
+    assert mod.expand_batch_to_tokens(top_k, torch.tensor([3, 4], dtype=torch.int32), 4).tolist() == [1] * 4

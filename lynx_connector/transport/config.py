@@ -68,6 +68,9 @@ class TransportConfig:
     unknown_grace_s: D gives up on a request P keeps calling unknown for this long (P publishes a request
         before it answers for it, so "unknown" is final once any message reordering is over), not at timeout_s.
     status_path: write the endpoint's live counters to this JSON file about once a second (None = off).
+    pipeline_poll_s: pipelined transfer (docs/PROTOCOL.md section 6): D asks P again this often for the rest of
+        a request P has published in part (layer by layer), and at most this long apart for a request P does not
+        know yet in the concurrent flow (the proxy sent it to P and D at once).
     """
 
     link_gbps: float | None = None
@@ -95,6 +98,7 @@ class TransportConfig:
     reconnect_s: float = 2.0
     unknown_grace_s: float = 2.0
     status_path: str | None = None
+    pipeline_poll_s: float = 0.01
     key: bytes | None = field(default=None, repr=False)
     rcvhwm: int = 1000
 
@@ -110,7 +114,7 @@ class TransportConfig:
         if self.order not in ORDERS:
             raise ValueError(f"TransportConfig.order must be one of {', '.join(ORDERS)}, got {self.order!r}")
         for name in ("lease_s", "timeout_s", "retry_s", "burst_s", "resend_s", "retry_max_s", "reconnect_s",
-                     "unknown_grace_s", "max_wait_s"):
+                     "unknown_grace_s", "pipeline_poll_s", "max_wait_s"):
             _positive_float(name, getattr(self, name))
         for name in ("target_progress_s", "anchor_holdoff_s"):
             val = getattr(self, name)

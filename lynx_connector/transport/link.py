@@ -208,6 +208,14 @@ class PullState:
     failed: bool = False
     done_sent: bool = False
     order: str = "split"  # how the request's output depends on its planes (transport/ranking.py)
+    #: Concurrent flow: the proxy sent the request to P and D at once, so "unknown request" means "not yet"
+    #: until the pull's deadline (which then covers P's queue and prefill).
+    early: bool = False
+    #: Pipelined transfer: bytes of (anchor, residual) P has made readable, while P still publishes layers
+    #: (None: the whole regions are readable); when to ask again; when they last grew.
+    ready: tuple[int, int] | None = None
+    requery_at: float | None = None
+    progress_at: float = 0.0
 
 
 class DoneCourier:

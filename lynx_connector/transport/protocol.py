@@ -8,6 +8,7 @@ Nothing is ever unpickled. One message per zmq frame (DEALER sends [payload]; RO
   D -> P  Hello(nonce_d, compat_hash)                      P -> D  Challenge(nonce_p, proof_p)  | Error
   D -> P  Auth(proof_d, compat, resume)        (sealed)    P -> D  HelloOk(agent md, pool, session_id) (sealed)
   D -> P  Query(transfer_id, token)            (sealed)    P -> D  Regions | NotReady | Error      (sealed)
+                                    (Regions names how much of each region is ready: layer-wise publish)
   D -> P  Done(transfer_id, token)             (sealed)    P -> D  Ack | Error                    (sealed)
   D -> P  KeepAlive([(transfer_id, token)...]) (sealed)    P -> D  Alive(gone)                    (sealed)
 
@@ -110,6 +111,11 @@ class Regions(_Msg, tag="regions"):
     #: This tenancy of the regions (P's pool allocation counter); it seeds every layer's checksum, so bytes of
     #: any other tenancy of the same regions fail D's check.
     generation: U64
+    #: Pipelined transfer (docs/PROTOCOL.md section 6): how many leading bytes of each region P has encoded and
+    #: sealed so far (whole layers, in layer order); ``ALL`` (-1) = the whole region. D reads only what is ready
+    #: and queries again for the rest.
+    anchor_ready: I64 = -1
+    residual_ready: I64 = -1
 
 
 class NotReady(_Msg, tag="not_ready"):

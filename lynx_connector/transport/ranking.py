@@ -14,7 +14,9 @@ Rule (``TransportConfig.order``), first match wins, ties by queueing order:
    anchor of a request before its residual), so no stream waits unboundedly behind higher ranks.
 1. the anchor of a ``split`` request (it starts decoding), in queueing order;
 2. one tier of units that each unblock output when they land: the residual of a ``split`` request whose anchor
-   is fully posted, and each ``whole`` request (its anchor, then its residual). ``srpt`` (the default): the
+   is fully posted, and each ``whole`` request (its anchor, then its residual). A request's residual waits while
+   its own anchor has readable bytes to post; with P publishing layer by layer (issue 15) it moves while the
+   anchor waits for P. ``srpt`` (the default): the
    unit with the fewest bytes left to post first; ``arrival``: the unit that became ready first (a ``whole``
    request when it was queued, a ``split`` residual when its anchor was fully posted).
 
@@ -55,9 +57,9 @@ def _unit_left(job: StreamJob, sibling: StreamJob | None) -> int:
 def rank(job: StreamJob, sibling: StreamJob | None, now: float, order: str,
          max_wait_s: float) -> tuple | None:
     """The sort key of ``job`` (smaller goes first), or None when it may not be posted yet (a residual whose own
-    anchor still has bytes to post). ``sibling``: the request's other queued stream, if any."""
-    if job.stream == RESIDUAL and sibling is not None and sibling.posted < sibling.nbytes:
-        return None  # a request's anchor is always posted before its residual
+    anchor has readable bytes still to post). ``sibling``: the request's other queued stream, if any."""
+    if job.stream == RESIDUAL and sibling is not None and sibling.postable > 0:
+        return None  # a request's readable anchor bytes always go before its residual
     first = job.stream != ANCHOR
     if order == "anchor_first":
         return (EARLY if job.stream == ANCHOR else UNIT, job.seq)
@@ -77,7 +79,7 @@ def best(jobs: Iterable[StreamJob], siblings: dict[tuple[str, str], StreamJob], 
     top: StreamJob | None = None
     top_key: tuple | None = None
     for job in jobs:
-        if job.posted >= job.nbytes:
+        if job.postable <= 0:  # all posted, or P has not published more of it yet (layer-wise)
             continue
         other = siblings.get((job.req_id, RESIDUAL if job.stream == ANCHOR else ANCHOR))
         key = rank(job, other, now, order, max_wait_s)

@@ -49,11 +49,19 @@ class StreamJob:
     inflight: int = 0
     finished: bool = False
     t_first_post: float | None = None
+    #: Bytes P has made readable so far (layer-wise publish); None = all ``nbytes``. Chunks are posted only
+    #: below it; the owner raises it with `TransferScheduler.extend`.
+    ready: int | None = None
     #: How the request's output depends on its planes (ranking.py): "split" (speculative) or "whole".
     order: PullOrder = SPLIT
     t_queued: float = 0.0  # set by submit
     t_ready: float | None = None  # a split residual: when its anchor was fully posted
     seq: int = 0  # queueing order (set by submit)
+
+    @property
+    def postable(self) -> int:
+        """Bytes that may be posted now and are not yet."""
+        return (self.nbytes if self.ready is None else min(self.ready, self.nbytes)) - self.posted
 
 
 @dataclass
@@ -120,6 +128,15 @@ class TransferScheduler:
         job.t_queued, job.seq = self._clock(), next(self._seq)
         self._jobs[job.req_id, job.stream] = job
 
+    def extend(self, req_id: str, ready: dict[str, int | None]) -> None:
+        """More of a request's streams became readable on P (``ready[stream]``: bytes, None = all)."""
+        if self._bucket is not None and self.idle:
+            self._bucket.idle_reset(self._cfg.chunk_bytes, self._clock())
+        for stream, n in ready.items():
+            job = self._jobs.get((req_id, stream))
+            if job is not None and job.ready is not None:
+                job.ready = None if n is None or n >= job.nbytes else max(job.ready, n)
+
     def pending_requests(self) -> set[str]:
         """Requests with a stream queued or in flight."""
         ids = {j.req_id for j in self._jobs.values()}
@@ -176,7 +193,7 @@ class TransferScheduler:
             if key[0] > EARLY and now < self.hold_until:
                 wait = self.hold_until - now
                 break
-            n = min(self._cfg.chunk_bytes, job.nbytes - job.posted)
+            n = min(self._cfg.chunk_bytes, job.postable)
             if self.inflight_bytes and self.inflight_bytes + n > self._cfg.window_bytes:
                 break
             if self._bucket is not None:

@@ -112,11 +112,14 @@ class TransferSink(ControlTimers):
         token: str,
         anchor_out: torch.Tensor,
         residual_out: torch.Tensor | None,
+        wait_s: float | None = None,
         order: PullOrder = SPLIT,
     ) -> None:
         """Queue a pull of P's request `transfer_id` (presenting its `token`) from the source at host:port into
-        views of `self.pool`. ``order``: how the request's output depends on its planes, which ranks its streams
-        against other requests' (``transport/ranking.py``; the transfer mode's ``pull_order``)."""
+        views of `self.pool`. ``wait_s`` (concurrent flow: P may not have the request yet): P's "unknown
+        request" means "not yet" for this long, which is then the pull's deadline instead of ``timeout_s``.
+        ``order``: how the request's output depends on its planes, which ranks its streams against other
+        requests' (``transport/ranking.py``; the transfer mode's ``pull_order``)."""
         if order not in PULL_ORDERS:
             raise ValueError(f"order must be one of {', '.join(PULL_ORDERS)}, got {order!r}")
         if not isinstance(req_id, str) or not 0 < len(req_id) <= proto.MAX_ID:
@@ -136,9 +139,12 @@ class TransferSink(ControlTimers):
             if req_id in self._active:
                 raise ValueError(f"request {req_id!r} is already being pulled")
             self._active.add(req_id)
+        if wait_s is not None and not wait_s > 0:
+            raise ValueError(f"wait_s must be > 0, got {wait_s!r}")
         now = time.monotonic()
         self._cmd(("pull", PullState(req_id, (host, port), transfer_id, token, a, r, now,
-                                     now + self.config.timeout_s, order=order)))
+                                     now + (self.config.timeout_s if wait_s is None else wait_s),
+                                     early=wait_s is not None, order=order)))
 
     def poll(self) -> list[TransferEvent]:
         """Events since the last poll."""
@@ -232,6 +238,7 @@ class TransferSink(ControlTimers):
         wait = self._sched.step()
         self._process_sched_events()
         wait = self._check_deadlines(wait)
+        self._process_sched_events()  # streams the timers failed (a stalled layer-wise publish)
         self._status.maybe_write()
         due = self._status.due_in(time.monotonic())
         if due is not None:
@@ -375,6 +382,8 @@ class TransferSink(ControlTimers):
             for pull in self._pulls_of(peer, msg.transfer_id):
                 if pull.state == "query":
                     self._on_query_reply(pull, peer, msg)
+                elif pull.state == "transferring" and pull.ready is not None:
+                    self._on_progress(pull, peer, msg)
         elif isinstance(msg, proto.Ack):
             self._courier.ack(peer.addr, msg.transfer_id)
         elif isinstance(msg, proto.Alive):
@@ -415,6 +424,10 @@ class TransferSink(ControlTimers):
         if isinstance(msg, proto.NotReady) or (isinstance(msg, proto.Error) and msg.code == "unknown_request"):
             pull.last_reply = "not ready" if isinstance(msg, proto.NotReady) else "unknown request"
             cfg, now = self.config, time.monotonic()
+            if pull.early:  # concurrent flow: P may not have the request yet; ask often, until the deadline
+                pull.backoff = min(cfg.pipeline_poll_s, max(cfg.retry_s, 2 * pull.backoff))
+                pull.retry_at = now + pull.backoff
+                return
             if isinstance(msg, proto.NotReady):
                 pull.unknown_since = None
             elif pull.unknown_since is None:
@@ -443,12 +456,50 @@ class TransferSink(ControlTimers):
                 self._fail(pull, f"region [{off}, {off + n}) outside the peer's {peer.pool_nbytes}-byte pool")
                 return
         pull.state, pull.generation = "transferring", msg.generation
+        ready = self._ready(pull, msg)
+        if ready is not None:  # layer-wise publish: read what is ready, ask again for the rest
+            pull.ready, pull.progress_at = ready, time.monotonic()
+            pull.requery_at = pull.progress_at + self.config.pipeline_poll_s
         self._sched.submit(StreamJob(pull.req_id, ANCHOR, peer.agent, pull.anchor[0],
-                                     peer.pool_addr + msg.anchor_offset, pull.anchor[1], pull.t0, order=pull.order))
+                                     peer.pool_addr + msg.anchor_offset, pull.anchor[1], pull.t0,
+                                     ready=None if ready is None else ready[0], order=pull.order))
         if pull.residual is not None:
             self._sched.submit(StreamJob(pull.req_id, RESIDUAL, peer.agent, pull.residual[0],
                                          peer.pool_addr + msg.residual_offset, pull.residual[1], pull.t0,
-                                         order=pull.order))
+                                         ready=None if ready is None else ready[1], order=pull.order))
+
+    @staticmethod
+    def _ready(pull: PullState, msg: proto.Regions) -> tuple[int, int] | None:
+        """The readable (anchor, residual) bytes a Regions answer names for this pull; None when all it reads."""
+        a = pull.anchor[1] if msg.anchor_ready < 0 else min(msg.anchor_ready, pull.anchor[1])
+        want_r = 0 if pull.residual is None else pull.residual[1]
+        r = want_r if msg.residual_ready < 0 else min(msg.residual_ready, want_r)
+        return None if (a, r) == (pull.anchor[1], want_r) else (a, r)
+
+    def _on_progress(self, pull: PullState, peer: PeerLink, msg: proto.Message) -> None:
+        """P's answer to a query for more of a request it publishes layer by layer (the transfer has started)."""
+        pull.sent_at = None
+        now = time.monotonic()
+        if not isinstance(msg, proto.Regions):
+            if isinstance(msg, proto.Error):
+                self._fail(pull, f"peer {peer.name} gave up on {pull.req_id!r} while publishing it "
+                           f"({msg.code}): {msg.message[:200]}")
+            else:
+                pull.requery_at = now + self.config.pipeline_poll_s
+            return
+        if msg.generation != pull.generation:
+            self._fail(pull, f"peer {peer.name} answered for another staging of {pull.req_id!r} (generation "
+                       f"{msg.generation}, pulling {pull.generation})")
+            return
+        ready = self._ready(pull, msg)
+        old = pull.ready
+        assert old is not None
+        if ready is None or ready[0] > old[0] or ready[1] > old[1]:
+            pull.progress_at = now
+        self._sched.extend(pull.req_id, {ANCHOR: None if ready is None else ready[0],
+                                         RESIDUAL: None if ready is None else ready[1]})
+        pull.ready = ready
+        pull.requery_at = None if ready is None else now + self.config.pipeline_poll_s
 
     # ---- completion and failure --------------------------------------------------------------
     def _on_event(self, ev: TransferEvent) -> None:

@@ -3,7 +3,8 @@ ROUTER side channel whose service thread runs the authenticated handshake, answe
 staging (protocol v2, docs/PROTOCOL.md sections 1 and 2).
 
 Lifecycle of a request's staging: (`expect`: D's queries get NotReady while P waits for room) -> `alloc` ->
-caller encodes into the views -> `publish` (queries answered from then on; before, D gets NotReady and
+caller encodes into the views -> (`publish_partial` as layers are encoded: D reads the ready prefix while the
+rest is encoded) -> `publish` (queries answered from then on; before, D gets NotReady and
 retries) -> freed on D's Done (side channel, or a NIXL notification ``done:<transfer_id>:<token>``), on lease
 expiry (`lease_s` after publish, renewed by each query and KeepAlive of its owner: D renews every request it
 pulls, queued or in flight), or on `abort`. Regions freed by lease expiry (or aborted once a D got them) are
@@ -60,6 +61,7 @@ class _Entry:
     deadline: float | None = None
     owner: bytes | None = None  # the session lineage whose Query got Regions
     t_served: float | None = None  # when D first got its Regions (started reading): measures the link (auto)
+    ready: tuple[int, int] | None = None  # published in part (layer-wise): readable prefix bytes; None = all
 
 
 class TransferSource(SideChannelServer):
@@ -216,8 +218,28 @@ class TransferSource(SideChannelServer):
             if entry is None or entry.staged is None:
                 raise KeyError(f"no staging for request {req_id!r}")
             entry.published = True
+            entry.ready = None
             entry.deadline = time.monotonic() + self.config.lease_s
         self._waker.wake()
+
+    def publish_partial(self, req_id: str, anchor_ready: int, residual_ready: int) -> None:
+        """Make the first ``anchor_ready`` / ``residual_ready`` bytes of a request's regions readable while P
+        still encodes the rest (layer-wise publish, docs/PROTOCOL.md section 6): D's queries are answered with
+        Regions naming those counts; `publish` makes the whole regions readable. Starts the lease."""
+        with self._lock:
+            entry = self._entries.get(req_id)
+            if entry is None or entry.staged is None:
+                raise KeyError(f"no staging for request {req_id!r}")
+            s = entry.staged
+            if not (0 <= anchor_ready <= s.anchor_nbytes and 0 <= residual_ready <= s.residual_nbytes):
+                raise ValueError(f"ready bytes {anchor_ready}/{residual_ready} outside the regions "
+                                 f"({s.anchor_nbytes}/{s.residual_nbytes})")
+            if entry.published and entry.ready is None:
+                return  # already whole
+            entry.ready = (anchor_ready, residual_ready)
+            entry.published = True
+            if entry.deadline is None:
+                entry.deadline = time.monotonic() + self.config.lease_s
 
     def abort(self, req_id: str) -> bool:
         """Free a request's staging now; False if it had none."""
@@ -409,7 +431,7 @@ class TransferSource(SideChannelServer):
             if not entry.published or entry.staged is None:
                 return proto.NotReady(v=v, transfer_id=msg.transfer_id)
             self.counters["served_queries"] += 1
-            s = entry.staged
+            s, ready = entry.staged, entry.ready or (-1, -1)
             return proto.Regions(
                 v=v,
                 transfer_id=msg.transfer_id,
@@ -418,6 +440,8 @@ class TransferSource(SideChannelServer):
                 residual_offset=s.residual_offset,
                 residual_nbytes=s.residual_nbytes,
                 generation=s.generation,
+                anchor_ready=ready[0],
+                residual_ready=ready[1],
             )
         if isinstance(msg, proto.Done):
             with self._lock:

@@ -2,7 +2,9 @@
 
 For benchmarks and debugging: vLLM's own metrics are updated only when the engine steps, so an idle engine
 keeps showing its last busy step; this file is written by the endpoint's service thread, which also runs
-when the engine is idle. The write is atomic (temporary file + rename); a failed write is logged once.
+when the engine is idle. The write is atomic (temporary file + rename); a failed write is logged once. Each
+file names its writer's ``pid``: a process killed without a clean shutdown leaves its last file behind, and
+readers (:func:`writer_alive`) skip the files of writers that no longer run.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from lynx_connector.logger import init_logger
 
 logger = init_logger(__name__)
 
-__all__ = ["StatusWriter", "STATUS_INTERVAL_S"]
+__all__ = ["StatusWriter", "STATUS_INTERVAL_S", "writer_alive"]
 
 STATUS_INTERVAL_S = 1.0
 
@@ -41,7 +43,7 @@ class StatusWriter:
             return
         self._next = now + STATUS_INTERVAL_S
         try:
-            body = {"time": time.time(), **self._collect()}
+            body = {"time": time.time(), "pid": os.getpid(), **self._collect()}
             tmp = f"{self.path}.tmp"
             with open(tmp, "w") as f:
                 json.dump(body, f, default=str)
@@ -50,3 +52,18 @@ class StatusWriter:
             if not self._warned:
                 logger.warning("lynx: cannot write status file %s: %s", self.path, exc)
                 self._warned = True
+
+
+def writer_alive(body: dict[str, Any]) -> bool:
+    """Whether the process that wrote status ``body`` still runs (True for a file without a ``pid``, or one
+    whose writer this process may not signal: it exists)."""
+    pid = body.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

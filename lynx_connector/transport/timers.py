@@ -46,7 +46,13 @@ class ControlTimers:
         cfg = self.config
         timers: list[float] = [] if wait is None else [now + wait]
         for pull in list(self._pulls.values()):
-            if pull.state == "transferring" or self._pulls.get(pull.req_id) is not pull:
+            if self._pulls.get(pull.req_id) is not pull:
+                continue
+            if pull.state == "transferring":
+                if pull.ready is not None:  # P publishes it layer by layer: ask for more, or give up on a stall
+                    nxt = self._follow_partial(pull, now)
+                    if nxt is not None:
+                        timers.append(nxt)
                 continue
             if now >= pull.deadline:
                 self._expire(pull)
@@ -105,6 +111,31 @@ class ControlTimers:
             self._keepalives += 1
             peer.keepalive_at = now + peer.lease_s / 4
         return peer.keepalive_at
+
+    def _follow_partial(self, pull: PullState, now: float) -> float | None:
+        """A transfer P publishes layer by layer: query again every ``pipeline_poll_s`` (an unanswered query is
+        sent again after ``resend_s``); fail it when P published nothing more for ``timeout_s`` (P died or
+        stalled mid-prefill). Returns the next time to look at it."""
+        cfg = self.config
+        if now - pull.progress_at >= cfg.timeout_s:
+            self._fail(pull, f"peer {pull.addr[0]}:{pull.addr[1]} published no more of {pull.req_id!r} for "
+                       f"{cfg.timeout_s}s (it was still encoding it: P stalled or died mid-prefill)")
+            return None
+        peer = self._peers.get(pull.addr)
+        if peer is not None and peer.state == "ready":
+            if pull.sent_at is None and pull.requery_at is not None and now >= pull.requery_at:
+                pull.sent_at, pull.requery_at = now, None
+                peer.send(proto.Query(v=proto.VERSION, transfer_id=pull.transfer_id, token=pull.token))
+            elif pull.sent_at is not None and now - pull.sent_at >= cfg.resend_s:
+                self._resent += 1
+                pull.sent_at = now
+                peer.send(proto.Query(v=proto.VERSION, transfer_id=pull.transfer_id, token=pull.token))
+        times = [pull.progress_at + cfg.timeout_s]
+        if pull.requery_at is not None:
+            times.append(pull.requery_at)
+        if pull.sent_at is not None:
+            times.append(pull.sent_at + cfg.resend_s)
+        return min(times)
 
     def _expire(self, pull: PullState) -> None:
         """A pull's own deadline passed before its transfer started: fail it (only it). A peer that never

@@ -190,3 +190,14 @@ def test_d_reports_the_choice_in_the_final_output():
     assert s.request_finished(r, [0, 1]) == (False, {"lynx_auto": {"mode": "bf16", "reason": "fast_link"}})
     with pytest.raises(Exception, match="lynx_auto"):
         RemotePrefill.from_params({**params, "lynx_auto": "because"})
+
+
+def test_auto_in_the_concurrent_flow_is_refused_with_a_clear_error():
+    """The concurrent flow (issue 15) tells D the mode before P prefills, so P cannot choose one then."""
+    s, mgr = make_p(link_gbps=0.5)
+    r = p_req("c1", 256, {"do_remote_decode": True, "lynx_mode": "auto", "lynx_flow": "concurrent"})
+    s.update_state_after_alloc(r, FakeBlocks([0]), 0)
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    hold, params = s.request_finished(r, [])
+    assert hold is False and "sequential flow" in params["lynx_error"]["message"]
+    assert params["lynx_error"]["code"] == 400 and not s.stats.data["auto"]

@@ -33,6 +33,7 @@ from typing import Any
 from lynx_connector.lab.bench.e2e.measure import write
 from lynx_connector.lab.bench.e2e.plan import quantile
 from lynx_connector.logger import init_logger
+from lynx_connector.transport.status import writer_alive
 
 logger = init_logger(__name__)
 
@@ -79,13 +80,16 @@ def tree_rss_mb(pid: int) -> float:
 
 
 def read_status(status_dir: Path) -> dict[str, float]:
-    """Sum of the workers' transport counters (status files) by side: P = sources, D = sinks."""
+    """Sum of the workers' transport counters (status files) by side: P = sources, D = sinks. Files left by a
+    worker that no longer runs (a P killed and restarted leaves its last one) are skipped."""
     out = {"p_staged_requests": 0.0, "p_staging_mb": 0.0, "p_save_waiting": 0.0, "d_pulls_live": 0.0,
            "d_staging_regions": 0.0, "d_recv_waiting": 0.0, "d_resent": 0.0, "d_reconnects": 0.0}
     for path in status_dir.glob("*.json"):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
+            continue
+        if not writer_alive(data):
             continue
         if "source" in data:  # a worker's source file (its sink file carries the same worker counters)
             src = data["source"]

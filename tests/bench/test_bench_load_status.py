@@ -1,0 +1,41 @@
+"""The load bench's reader of the transports' status files (lab/bench/load.py read_status): it sums the live
+workers' counters and skips the last file of a worker that no longer runs (a P killed and restarted leaves one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from lynx_connector.lab.bench.load import read_status
+from lynx_connector.transport.status import StatusWriter, writer_alive
+
+
+def _source(path, pid: int, live: int) -> None:
+    path.write_text(json.dumps({"pid": pid, "source": {"requests_live": live, "bytes_allocated": live << 20}}))
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_status_files_of_dead_writers_are_skipped(tmp_path):
+    dead = _dead_pid()
+    _source(tmp_path / "old-src.json", dead, 1)  # the killed P's last word: one request staged
+    _source(tmp_path / "new-src.json", os.getpid(), 2)
+    assert not writer_alive({"pid": dead}) and writer_alive({"pid": os.getpid()})
+    assert read_status(tmp_path)["p_staged_requests"] == 2.0
+    os.remove(tmp_path / "new-src.json")
+    assert read_status(tmp_path)["p_staged_requests"] == 0.0
+
+
+def test_writer_names_its_pid(tmp_path):
+    path = tmp_path / "w.json"
+    StatusWriter(str(path), lambda: {"source": {"requests_live": 3, "bytes_allocated": 0}}).maybe_write()
+    body = json.loads(path.read_text())
+    assert body["pid"] == os.getpid() and writer_alive(body)
+    assert read_status(tmp_path)["p_staged_requests"] == 3.0
+    assert writer_alive({"source": {}})  # a file without a pid (older writer) counts as live

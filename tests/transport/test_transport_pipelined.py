@@ -1,0 +1,119 @@
+"""Pipelined transfer at the transport level (docs/PROTOCOL.md section 6), real zmq side channel, fake NIXL:
+P publishes a request's regions in part (layer-wise), D reads only what is ready and asks again for the rest;
+a concurrent-flow pull (``wait_s``) waits for a request P does not know yet; a P that stops publishing
+mid-request fails the pull at D's deadline and both sides free everything."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lynx_connector.transport.config import TransportConfig
+from lynx_connector.transport.sink import TransferSink
+from lynx_connector.transport.source import TransferSource
+
+from .fakes import TEST_KEY, FakeFabric, FakeNixlWrapper
+from .test_transport_source_sink import COMPAT, collect, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+A, R = 120_000, 240_000
+LAYERS = 6
+
+
+@pytest.fixture
+def pair(fabric: FakeFabric):
+    cfg = TransportConfig(pool_bytes=1 << 22, chunk_bytes=16 << 10, timeout_s=1.5, lease_s=30.0, retry_s=0.005,
+                          pipeline_poll_s=0.005, key=TEST_KEY)
+    src = TransferSource(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
+    sink = TransferSink(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "D"), record_posts=True)
+    yield src, sink
+    sink.close()
+    src.close()
+
+
+def _layer(n: int, i: int) -> slice:
+    return slice(n * i // LAYERS, n * (i + 1) // LAYERS)
+
+
+def test_layers_are_read_as_they_are_published(pair) -> None:
+    src, sink = pair
+    st = src.alloc("p", A, R)
+    want_a = torch.randint(0, 256, (A,), dtype=torch.uint8)
+    want_r = torch.randint(0, 256, (R,), dtype=torch.uint8)
+    loc = sink.pool.alloc_request("d", A, R)
+    for i in range(2):  # two layers encoded before D asks
+        st.anchor[_layer(A, i)] = want_a[_layer(A, i)]
+        st.residual[_layer(R, i)] = want_r[_layer(R, i)]
+    src.publish_partial("p", _layer(A, 1).stop, _layer(R, 1).stop)
+    sink.pull("d", *src.address, *src.ticket("p"), loc.anchor, loc.residual)
+    wait_for(lambda: any(off + n > 0 for _, _, off, n in sink.post_log))
+    time.sleep(0.1)
+    # only the published prefix was read: nothing beyond layer 2 of either plane
+    assert max(off + n for _, s, off, n in sink.post_log if s == "anchor") <= _layer(A, 1).stop
+    assert max((off + n for _, s, off, n in sink.post_log if s == "residual"), default=0) <= _layer(R, 1).stop
+    assert sink.poll() == []  # no stream complete yet
+    for i in range(2, LAYERS):
+        st.anchor[_layer(A, i)] = want_a[_layer(A, i)]
+        st.residual[_layer(R, i)] = want_r[_layer(R, i)]
+        if i < LAYERS - 1:
+            src.publish_partial("p", _layer(A, i).stop, _layer(R, i).stop)
+        else:
+            src.publish("p")
+        time.sleep(0.02)
+    evs = collect(sink, 2)
+    assert all(e.ok for e in evs), evs
+    assert torch.equal(loc.anchor, want_a) and torch.equal(loc.residual, want_r)
+    wait_for(lambda: src.stats()["requests_live"] == 0)  # D's done freed P
+    sink.pool.free_request("d")
+
+
+def test_concurrent_flow_waits_for_a_request_p_does_not_know_yet(pair) -> None:
+    src, sink = pair
+    tid, token = "ab" * 16, "cd" * 16  # minted by the proxy, given to D before P has the request
+    loc = sink.pool.alloc_request("d", A, 0)
+    sink.pull("d", *src.address, tid, token, loc.anchor, None, wait_s=5.0)
+    time.sleep(2.5)  # longer than unknown_grace_s (2 s) and timeout_s: a sequential pull would have failed
+    assert sink.poll() == []
+    st = src.alloc("p", A, 0, transfer_id=tid, token=token)
+    st.anchor.copy_(torch.arange(A, dtype=torch.int64).to(torch.uint8))
+    src.publish("p")
+    evs = collect(sink, 1)
+    assert evs[0].ok and torch.equal(loc.anchor, st.anchor)
+    sink.pool.free_request("d")
+
+
+def test_concurrent_flow_gives_up_at_its_deadline(pair) -> None:
+    src, sink = pair
+    loc = sink.pool.alloc_request("d", A, 0)
+    t0 = time.monotonic()
+    sink.pull("d", *src.address, "ef" * 16, "01" * 16, loc.anchor, None, wait_s=1.0)
+    evs = collect(sink, 1, timeout=5.0)
+    assert not evs[0].ok and "did not serve" in evs[0].error and time.monotonic() - t0 >= 0.9
+    wait_for(lambda: sink.stats()["pulls_live"] == 0)
+    sink.pool.free_request("d")
+
+
+def test_p_that_stops_publishing_fails_the_pull_and_frees_both_sides(pair) -> None:
+    src, sink = pair
+    src.alloc("p", A, R)
+    src.publish_partial("p", _layer(A, 0).stop, _layer(R, 0).stop)
+    loc = sink.pool.alloc_request("d", A, R)
+    sink.pull("d", *src.address, *src.ticket("p"), loc.anchor, loc.residual)
+    evs = collect(sink, 2, timeout=6.0)  # P never publishes more: D gives up after timeout_s without progress
+    assert not any(e.ok for e in evs) and "published no more" in evs[0].error
+    wait_for(lambda: src.stats()["requests_live"] == 0)  # D's done freed P's staging
+    assert src.stats()["bytes_allocated"] == 0
+    sink.pool.free_request("d")
+    assert sink.stats()["pulls_live"] == 0
+
+
+def test_partial_publish_is_bounded_by_the_regions(pair) -> None:
+    src, _ = pair
+    src.alloc("p", A, R)
+    with pytest.raises(ValueError, match="outside the regions"):
+        src.publish_partial("p", A + 1, 0)
+    with pytest.raises(KeyError):
+        src.publish_partial("nope", 0, 0)
