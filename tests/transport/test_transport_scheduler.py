@@ -289,3 +289,19 @@ def test_pull_order_comes_from_the_modes_table() -> None:
     assert get_mode("full").pull_order == get_mode("bf16").pull_order == get_mode("anchor").pull_order == "whole"
     with pytest.raises(ValueError, match="order"):
         TransportConfig(order="lifo")
+
+
+def test_a_residual_moves_while_its_anchor_waits_for_p(fabric: FakeFabric) -> None:
+    """Layer-wise publish (issue 15): a request's residual waits only while its own anchor has readable bytes."""
+    sched, _, job, events, clock, _ = make(fabric, link_gbps=LINK_16K_PER_MS)
+    a, r = job("w", "anchor", 0, 64 * KB), job("w", "residual", 64 * KB, 64 * KB)
+    for j in (a, r):
+        j.order, j.ready = "whole", 16 * KB
+        sched.submit(j)
+    for _ in range(10):
+        clock.t += sched.step() or 0.001
+    assert [(s, off) for _, s, off, _ in sched.stats.post_log] == [("anchor", 0), ("residual", 0)]
+    sched.extend("w", {"anchor": None, "residual": None})  # P published the rest
+    run_until_idle(sched, clock)
+    assert [s for _, s, *_ in sched.stats.post_log][2:5] == ["anchor"] * 3  # the anchor's rest before the residual's
+    assert [(e.stream, e.ok) for e in events] == [("anchor", True), ("residual", True)]
