@@ -142,10 +142,12 @@ class AutoEstimator:
 
     ALPHA = 0.3
 
-    def __init__(self, link_bytes_per_s: float | None, geometry: tuple[int, int, int], codec: Any) -> None:
+    def __init__(self, link_bytes_per_s: float | None, geometry: tuple[int, int, int], codec: Any,
+                 clock: Any = time.monotonic) -> None:
         self._configured = link_bytes_per_s
         self._measured: float | None = None
-        self._queued = 0
+        self._clock = clock
+        self._queued, self._queued_at = 0, clock()
         self._heads, self._head_size, self._layers = geometry
         self._codec = codec  # the Lynx codec with the instance's options (its planes)
         self.prefill_s_per_token = 0.0
@@ -155,26 +157,29 @@ class AutoEstimator:
     def observe_link(self, measured_bytes_per_s: float | None, queued_bytes: int, codec_s_per_token: float) -> None:
         """From P's workers (worker metadata): the measured rate, bytes staged and unread, Lynx encode s/token."""
         self._measured = measured_bytes_per_s or None
-        self._queued = max(0, int(queued_bytes))
+        self._queued, self._queued_at = max(0, int(queued_bytes)), self._clock()
         if codec_s_per_token > 0:
             self.codec_s_per_token = 2.0 * codec_s_per_token  # D decodes about as long as P encodes
 
     def link(self) -> LinkView:
-        if self._configured is not None:
-            return LinkView(self._configured, "configured", self._queued)
-        if self._measured is not None:
-            return LinkView(self._measured, "measured", self._queued)
-        return LinkView(None, "none", self._queued)
+        """The link now. The workers report only on P's steps, so an idle P's last report is old: its queue is
+        taken to have drained at the link's rate since."""
+        rate = self._configured if self._configured is not None else self._measured
+        source = "configured" if self._configured is not None else "measured" if rate is not None else "none"
+        queued = self._queued
+        if rate is not None:
+            queued = max(0, int(queued - rate * (self._clock() - self._queued_at)))
+        return LinkView(rate, source, queued)
 
     def started(self, req_id: str, num_tokens: int) -> None:
-        self._started[req_id] = (time.monotonic(), num_tokens)
+        self._started[req_id] = (self._clock(), num_tokens)
 
     def finished(self, req_id: str, prefilled: bool) -> None:
         """A request P scheduled is finished: its prefill seconds per token update the estimate."""
         start = self._started.pop(req_id, None)
         if start is None or not prefilled or start[1] <= 0:
             return
-        per = (time.monotonic() - start[0]) / start[1]
+        per = (self._clock() - start[0]) / start[1]
         a = self.ALPHA if self.prefill_s_per_token else 1.0
         self.prefill_s_per_token += a * (per - self.prefill_s_per_token)
 

@@ -13,6 +13,7 @@ encoding it, D verifies each before decoding it.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -78,7 +79,9 @@ class LynxConnectorWorker(ReceiveHalf):
         self._exporter = TransportExporter()
         # P, for auto (lynx_connector/auto.py): the link measured from D's completed reads, Lynx encode s/token
         self._link_meter = LinkMeter(config.auto_window_s)
-        self._lynx_encode_s_per_token = 0.0
+        # seconds per token of recent Lynx layer encodes (times the layers): their minimum is the codec's cost,
+        # without a first call's compilation or a moment of CPU contention
+        self._lynx_encode_s: deque[float] = deque(maxlen=64)
         self._link_sent_at = 0.0
         self._init_receive()  # D's pulls (receiving.py)
         self._step = 0  # poll() calls, one per engine step
@@ -233,9 +236,7 @@ class LynxConnectorWorker(ReceiveHalf):
                job.residual_plane(i), layer_name=name)
         job.seal(i)  # checksums right after the layer is encoded
         if job.codec.name == LYNX_CODEC and job.spec.num_tokens:  # auto's estimate of the Lynx codec's cost
-            per = (time.perf_counter() - t0) * len(self.layers) / job.spec.num_tokens
-            last = self._lynx_encode_s_per_token
-            self._lynx_encode_s_per_token = per if not last else last + 0.1 * (per - last)
+            self._lynx_encode_s.append((time.perf_counter() - t0) * len(self.layers) / job.spec.num_tokens)
 
     def _encode_failed(self, job: StagingJob, exc: Exception) -> None:
         """Reject a request whose encode failed: bad data (non-finite or out-of-range KV) fails only this
@@ -329,7 +330,7 @@ class LynxConnectorWorker(ReceiveHalf):
         self._link_sent_at = now
         meta = meta if meta is not None else LynxWorkerMeta()
         meta.p_link = (self._link_meter.rate() or 0.0, self.source.pool.bytes_allocated,
-                       self._lynx_encode_s_per_token)
+                       min(self._lynx_encode_s, default=0.0))
         return meta
 
     def shutdown(self) -> None:

@@ -84,6 +84,18 @@ def test_a_queue_on_the_link_favours_the_anchor_that_jumps_it():
     assert (busy.mode, busy.reason) == ("speculative", "slow_link")
 
 
+def test_a_reported_queue_drains_at_the_link_rate():
+    """P's workers report on steps only: an idle P's last report is old, its queue has drained since."""
+    now = [0.0]
+    est = AutoEstimator(1e6, GEOMETRY, get_codec("lynx"), clock=lambda: now[0])
+    est.observe_link(None, 3_000_000, 0.0)
+    assert est.link().queued_bytes == 3_000_000
+    now[0] = 1.0
+    assert est.link() == LinkView(1e6, "configured", 2_000_000)
+    now[0] = 10.0
+    assert est.link().queued_bytes == 0
+
+
 def test_link_meter_counts_busy_time_once():
     now = [100.0]
     m = LinkMeter(window_s=10.0, clock=lambda: now[0])
