@@ -194,7 +194,8 @@ class LynxConnectorWorker(ReceiveHalf):
         except Exception as exc:
             self._encode_failed(job, exc)
             return
-        self.source.publish(spec.req_id)
+        if not job.published:
+            self.source.publish(spec.req_id)  # False: D freed it meanwhile (aborted): its staging is freed now
         a, r = job.layout.nbytes
         self.stats.record_encode(a, r, time.perf_counter() - job.t0)
 
@@ -262,9 +263,15 @@ class LynxConnectorWorker(ReceiveHalf):
                 self._layerwise_failed.add(job.req_id)
                 self._encode_failed(job, exc)
                 continue
+            if len(job.encoded) == len(self.layers):  # the last layer: whole (D may finish before wait_for_save)
+                job.published = True
+                self.source.publish(job.req_id)
+                continue
             a, r = job.ready_bytes()
-            if a:
-                self.source.publish_partial(job.req_id, a, r)
+            if a and not self.source.publish_partial(job.req_id, a, r):  # D gave up on it: stop encoding it
+                del self._layerwise[job.req_id]
+                self._layerwise_failed.add(job.req_id)
+                self.source.abort(job.req_id)
 
     def _begin_layerwise(self, meta: LynxConnectorMetadata) -> None:
         """Stage this step's requests before its first layer is saved, while nothing waits for staging room

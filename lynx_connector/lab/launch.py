@@ -258,7 +258,7 @@ class Deployment:
             self._init_local(kv_transfer_config)
         #: this deployment's side-channel key (hex), in P's and D's environment (callers' envs may override it)
         self.side_channel_key = secrets.token_hex(32)
-        for server in (self.prefill, self.decode):
+        for server in (self.prefill, self.decode, self.proxy):  # the proxy signs the pipelined flow's params
             server.env["LYNX_SIDE_CHANNEL_KEY"] = self.side_channel_key
         self.prefill.env.update(prefill_env or {})
         self.decode.env.update(decode_env or {})
