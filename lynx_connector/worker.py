@@ -167,8 +167,12 @@ class LynxConnectorWorker(ReceiveHalf):
                 self.saves.abort(req_id)
         self.saves.retry()  # room freed since the last step goes to the requests already waiting, in order
         for spec in meta.reqs_to_save:
-            if spec.req_id not in self._layerwise and spec.req_id not in self._layerwise_failed:
-                self._faults.track(spec.req_id, meta.test_hooks.get(spec.req_id))
+            if spec.req_id in self._layerwise or spec.req_id in self._layerwise_failed:
+                # staged in this step's forward (D may even have read it all and freed it already)
+                self._encode_request(spec)
+                self.saves.resolved(spec.req_id)
+                continue
+            self._faults.track(spec.req_id, meta.test_hooks.get(spec.req_id))
             self.saves.submit(spec)
         for req_id in list(self._layerwise):  # begun in the forward but not staged by the queue (D gave up on it)
             del self._layerwise[req_id]
