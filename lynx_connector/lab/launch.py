@@ -333,6 +333,19 @@ class Deployment:
         assert self.prefill.proc is not None
         os.killpg(self.prefill.proc.pid, sig)
 
+    def add_proxy(self, name: str, args: list[str]) -> Server:
+        """One more ``lynx proxy`` in front of the same P and D (local deployments only; call before ``start()``),
+        with ``args`` (e.g. ``["--flow", "sequential"]``): flows compared side by side in one run."""
+        if self._plan is not None:
+            raise ValueError("add_proxy supports local deployments only (not netns)")
+        port = free_port()
+        server = Server(name, [sys.executable, "-m", "lynx_connector.cli", "proxy", "--host", "127.0.0.1",
+                               "--port", str(port), "--prefill", self.prefill.url, "--decode", self.decode.url,
+                               *self._proxy_args, *args], port, self.log_dir / f"{name}.log",
+                        env={**self.proxy.env})
+        self.servers.append(server)
+        return server
+
     @property
     def url(self) -> str:
         return self.proxy.url
