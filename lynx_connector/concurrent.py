@@ -25,8 +25,11 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CONCURRENT", "FLOW_KEY", "FLOWS", "PrefillEndpoint", "decode_params", "mint", "prefill_params"]
+__all__ = ["CONCURRENT", "FLOW_KEY", "FLOWS", "LYNX_PARAMS_VERSION", "PrefillEndpoint", "decode_params", "mint",
+           "prefill_params"]
 
+#: Version of the kv_transfer_params / side-channel contract; D refuses a P that speaks another one.
+LYNX_PARAMS_VERSION = 2
 FLOW_KEY = "lynx_flow"
 CONCURRENT = "concurrent"
 #: The proxy's flows: "sequential" (P answers, then D is asked: what vLLM's router and NixlConnector speak) and
@@ -69,14 +72,14 @@ def prefill_params(transfer_id: str, token: str, mode: str) -> dict[str, Any]:
             "lynx_transfer_id": transfer_id, "lynx_token": token, "lynx_mode": mode}
 
 
-def decode_params(endpoint: PrefillEndpoint, request_id: str, transfer_id: str, token: str, mode: str,
-                  version: int) -> dict[str, Any]:
+def decode_params(endpoint: PrefillEndpoint, request_id: str, transfer_id: str, token: str,
+                  mode: str) -> dict[str, Any]:
     """What the proxy sends D (to be signed): pull this request from ``endpoint`` once P publishes it."""
     params: dict[str, Any] = {
         "do_remote_prefill": True, "do_remote_decode": False, FLOW_KEY: CONCURRENT,
         "remote_engine_id": endpoint.engine_id, "remote_request_id": request_id[:1024] or "concurrent",
         "remote_host": endpoint.host, "remote_port": endpoint.ports[0], "lynx_ports": list(endpoint.ports),
-        "remote_num_tokens": 0, "lynx_mode": mode, "lynx_version": version,
+        "remote_num_tokens": 0, "lynx_mode": mode, "lynx_version": LYNX_PARAMS_VERSION,
         "lynx_transfer_id": transfer_id, "lynx_token": token,
     }
     if endpoint.kv_dtype:

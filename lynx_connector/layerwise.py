@@ -38,6 +38,7 @@ class StagingJob:
     staging_id: str  # seeds the checksums (transfer id and generation)
     t0: float
     encoded: set[int] = field(default_factory=set)  # layer indices encoded and sealed
+    published: bool = False  # whole (TransferSource.publish called)
 
     @property
     def has_residual(self) -> bool:

@@ -19,12 +19,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from lynx_connector.auto import AUTO_KEY, AUTO_REASONS
 from lynx_connector.compat import staged_dtype_names
-from lynx_connector.concurrent import CONCURRENT, FLOW_KEY
+from lynx_connector.concurrent import CONCURRENT, FLOW_KEY, LYNX_PARAMS_VERSION
 from lynx_connector.fanout import CHILD_KEYS, CHILDREN_KEY, MAX_CHILDREN, child_of
 from lynx_connector.modes import MODE_NAMES, is_mode
 
-#: Version of the kv_transfer_params / side-channel contract; D refuses a P that speaks another one.
-LYNX_PARAMS_VERSION = 2
 #: Length of a transfer id and of a capability token (16 random bytes, hex; protocol v2).
 TICKET_HEX_LEN = 32
 

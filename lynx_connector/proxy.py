@@ -1,12 +1,17 @@
 """``lynx proxy``: OpenAI-compatible front for disaggregated prefill/decode (1..n P, 1..n D).
 
-Per request (``/v1/completions`` and ``/v1/chat/completions``, streaming or not):
+Per request (``/v1/completions`` and ``/v1/chat/completions``, streaming or not), in the sequential flow:
 
 1. send it to a prefill server with ``max_tokens=1`` (and ``max_completion_tokens=1`` for chat),
    ``stream=false`` and ``kv_transfer_params={"do_remote_decode": true, "do_remote_prefill": false, ...}``;
 2. take the ``kv_transfer_params`` from P's response (they say where D pulls the KV from);
 3. send the original request to a decode server with those params, and return D's response unchanged (SSE bytes
    passed through as they arrive).
+
+The pipelined flow (``--flow pipelined``, the default when the proxy has the deployment key) sends the request
+to P and D at once, with a transfer id and token the proxy mints and signs (``lynx_connector/proxy_flow.py``):
+D pulls each layer as soon as P has encoded it. The first request to each P goes the sequential way (P's answer
+names its side channel), as does a request P fans out (``n`` > 1).
 
 Of a client's ``kv_transfer_params`` only two keys are used: ``lynx_mode`` (the transfer mode, sent to P) and
 ``"lynx_report": true`` (added to D's params: D then returns the request's speculation summary in
@@ -46,7 +51,9 @@ import aiohttp
 from aiohttp import web
 
 from lynx_connector.admission import Overloaded, ServerSlots
+from lynx_connector.concurrent import FLOWS
 from lynx_connector.logger import configure_process_logging, init_logger
+from lynx_connector.proxy_flow import FlowBook, serve_pipelined
 from lynx_connector.proxy_http import (
     REQUEST_ID_HEADER,
     ClientGone,
@@ -100,6 +107,9 @@ class ProxyConfig:
     queue_timeout_s: float = 120.0
     request_timeout_s: float = 1800.0  # a whole request: queue, P, D and the stream
     max_body_bytes: int = 4 << 20
+    flow: str = "pipelined"  # or "sequential" (lynx_connector/proxy_flow.py)
+    insecure_side_channel: bool = False  # sign the pipelined flow's params with the empty key (no deployment key)
+    params_ttl_s: float = 300.0  # how long the params the proxy signs stay valid (P may queue the request)
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -109,6 +119,10 @@ class ProxyConfig:
         if not self.request_timeout_s > 0 or self.max_body_bytes < 1024:
             raise ValueError(f"--request-timeout must be > 0 (got {self.request_timeout_s}) and --max-body-bytes "
                              f">= 1024 (got {self.max_body_bytes})")
+        if self.flow not in FLOWS:
+            raise ValueError(f"--flow must be one of {', '.join(FLOWS)}, got {self.flow!r}")
+        if not self.params_ttl_s > 0:
+            raise ValueError(f"--params-ttl must be > 0, got {self.params_ttl_s}")
         self.prefill = [normalize_url(u) for u in self.prefill]
         self.decode = [normalize_url(u) for u in self.decode]
 
@@ -119,16 +133,35 @@ class _State:
     prefill_slots: ServerSlots = field(init=False)
     decode_slots: ServerSlots = field(init=False)
     models_rr: itertools.cycle = field(init=False)
+    flows: FlowBook = field(init=False)
     session: aiohttp.ClientSession | None = None
 
     def __post_init__(self) -> None:
         c = self.config
+        self.flows = FlowBook(_signer(c))
         self.prefill_slots = ServerSlots("prefill", c.prefill, c.max_inflight, c.max_queued, c.queue_timeout_s)
         self.decode_slots = ServerSlots("decode", c.decode, c.max_inflight, c.max_queued, c.queue_timeout_s)
         self.models_rr = itertools.cycle(c.decode)
 
 
 STATE_KEY: web.AppKey[_State] = web.AppKey("lynx_proxy_state", _State)
+
+
+def _signer(config: ProxyConfig) -> Any | None:
+    """The pipelined flow's signer (the deployment key, as P and D read it), None when the flow is off or the
+    proxy has no key: then every request goes the sequential way (logged once here)."""
+    if config.flow != "pipelined":
+        return None
+    from lynx_connector.signing import ParamsSigner
+    from lynx_connector.transport.keys import SideChannelKeyError, load_side_channel_key
+
+    try:
+        key = load_side_channel_key(insecure=config.insecure_side_channel)
+    except SideChannelKeyError as exc:
+        logger.warning("Lynx proxy: no side-channel key, so the pipelined flow is off and every request goes "
+                       "the sequential way (%s)", exc)
+        return None
+    return ParamsSigner(key, config.params_ttl_s)
 
 
 async def _serve(state: _State, call: Call, request: web.Request, body: dict[str, Any],
@@ -138,8 +171,16 @@ async def _serve(state: _State, call: Call, request: web.Request, body: dict[str
     # D's slot first: decode capacity is what P's staged KV waits for, so P only prefills for a ready D
     async with state.decode_slots.slot() as d_url:
         call.phase = "waiting for a prefill slot"
-        async with state.prefill_slots.slot() as p_url:
+        p_url = await state.prefill_slots.acquire()
+        plan = state.flows.plan(p_url, body)
+        if plan is not None:  # P and D at once (proxy_flow.py); it releases P's slot when P has answered
+            return await serve_pipelined(state.session, state.flows, state.prefill_slots, call, request, body, chat,
+                                         p_url, d_url, *plan)
+        try:
             params = await prefill(state.session, call, p_url, request, body, chat)
+        finally:
+            state.prefill_slots.release(p_url)
+        state.flows.learn(p_url, body, params)
         return await decode(state.session, call, d_url, request, build_decode_request(body, params))
 
 
@@ -249,7 +290,8 @@ async def handle_stats(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     return web.json_response({"max_inflight": state.config.max_inflight, "max_queued": state.config.max_queued,
                               "prefill": asdict(state.prefill_slots.stats()),
-                              "decode": asdict(state.decode_slots.stats())})
+                              "decode": asdict(state.decode_slots.stats()), "flow": state.config.flow,
+                              "flows": dict(state.flows.counts), "pipelined_on": state.flows.signer is not None})
 
 
 @web.middleware
@@ -321,6 +363,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "answered 504")
     parser.add_argument("--max-body-bytes", type=int, default=ProxyConfig.max_body_bytes,
                         help="largest request body accepted; larger ones are answered 413")
+    parser.add_argument("--flow", choices=FLOWS, default=ProxyConfig.flow,
+                        help="pipelined: send each request to P and D at once (D pulls each layer as P publishes "
+                             "it; needs the deployment key, LYNX_SIDE_CHANNEL_KEY_FILE / LYNX_SIDE_CHANNEL_KEY); "
+                             "sequential: P answers, then D is asked (what vLLM's router does)")
+    parser.add_argument("--insecure-side-channel", action="store_true",
+                        help="the deployment runs without a side-channel key (insecure_side_channel on P and D): "
+                             "sign the pipelined flow's params with the empty key. Local tests only")
+    parser.add_argument("--params-ttl", type=float, default=ProxyConfig.params_ttl_s,
+                        help="seconds the pipelined flow's signed params stay valid for P and D")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -328,7 +379,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
                        connect_timeout_s=args.connect_timeout, read_timeout_s=args.read_timeout,
                        health_timeout_s=args.health_timeout, max_inflight=args.max_inflight,
                        max_queued=args.max_queued, queue_timeout_s=args.queue_timeout,
-                       request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes)
+                       request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
+                       flow=args.flow, insecure_side_channel=args.insecure_side_channel,
+                       params_ttl_s=args.params_ttl)
 
 
 def run(args: argparse.Namespace) -> int:

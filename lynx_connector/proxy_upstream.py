@@ -61,8 +61,9 @@ class Call:
         return self.stream
 
 
-def build_prefill_request(body: dict[str, Any], chat: bool) -> dict[str, Any]:
-    """P's copy of the request: one token, no streaming, remote decode requested."""
+def build_prefill_request(body: dict[str, Any], chat: bool, kv_params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """P's copy of the request: one token, no streaming, remote decode requested (``kv_params``: the params of
+    the pipelined flow, lynx_connector/proxy_flow.py, instead of the sequential ones)."""
     req = copy.deepcopy(body)
     req["max_tokens"] = 1
     if chat:
@@ -75,7 +76,7 @@ def build_prefill_request(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     if isinstance(client, dict) and isinstance(client.get("lynx_mode"), str):
         # The one key a client may set for P: the transfer mode of this request (P encodes with it, D follows P).
         params["lynx_mode"] = client["lynx_mode"]
-    req["kv_transfer_params"] = params
+    req["kv_transfer_params"] = params if kv_params is None else dict(kv_params)
     return req
 
 
@@ -116,11 +117,11 @@ async def _status_error(side: str, url: str, resp: aiohttp.ClientResponse) -> Ex
 
 
 async def prefill(session: aiohttp.ClientSession, call: Call, url: str, request: web.Request,
-                  body: dict[str, Any], chat: bool) -> dict[str, Any]:
+                  body: dict[str, Any], chat: bool, kv_params: dict[str, Any] | None = None) -> dict[str, Any]:
     """P's answer's kv_transfer_params (P's 4xx: :class:`Passthrough`; P down or misbehaving: :class:`ProxyError`)."""
     call.phase, call.server = "prefill", url
     try:
-        resp = await session.post(url + request.path, json=build_prefill_request(body, chat),
+        resp = await session.post(url + request.path, json=build_prefill_request(body, chat, kv_params),
                                   headers=forward_headers(request, call.request_id))
     except (TimeoutError, aiohttp.ClientError) as e:
         raise transport_error("prefill", url, e) from e

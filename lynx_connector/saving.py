@@ -50,6 +50,10 @@ class SaveQueue:
             logger.info("LynxConnector: staging full, request %s (%d tokens) waits for room (%d waiting)",
                         spec.req_id, spec.num_tokens, len(self._waiting))
 
+    def resolved(self, req_id: str) -> None:
+        """A request staged (or given up) outside the queue: in the forward, layer by layer (worker.save_layer)."""
+        self._resolved.add(req_id)
+
     def abort(self, req_id: str) -> None:
         self._waiting.pop(req_id, None)
         self._source.abort(req_id)

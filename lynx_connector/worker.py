@@ -177,8 +177,12 @@ class LynxConnectorWorker(ReceiveHalf):
                 self.saves.abort(req_id)
         self.saves.retry()  # room freed since the last step goes to the requests already waiting, in order
         for spec in meta.reqs_to_save:
-            if spec.req_id not in self._layerwise and spec.req_id not in self._layerwise_failed:
-                self._faults.track(spec.req_id, meta.test_hooks.get(spec.req_id))
+            if spec.req_id in self._layerwise or spec.req_id in self._layerwise_failed:
+                # staged in this step's forward (D may even have read it all and freed it already)
+                self._encode_request(spec)
+                self.saves.resolved(spec.req_id)
+                continue
+            self._faults.track(spec.req_id, meta.test_hooks.get(spec.req_id))
             self.saves.submit(spec)
         for req_id in list(self._layerwise):  # begun in the forward but not staged by the queue (D gave up on it)
             del self._layerwise[req_id]
@@ -204,7 +208,8 @@ class LynxConnectorWorker(ReceiveHalf):
         except Exception as exc:
             self._encode_failed(job, exc)
             return
-        self.source.publish(spec.req_id)
+        if not job.published:
+            self.source.publish(spec.req_id)  # False: D freed it meanwhile (aborted): its staging is freed now
         a, r = job.layout.nbytes
         self.stats.record_encode(a, r, time.perf_counter() - job.t0)
 
@@ -275,9 +280,15 @@ class LynxConnectorWorker(ReceiveHalf):
                 self._layerwise_failed.add(job.req_id)
                 self._encode_failed(job, exc)
                 continue
+            if len(job.encoded) == len(self.layers):  # the last layer: whole (D may finish before wait_for_save)
+                job.published = True
+                self.source.publish(job.req_id)
+                continue
             a, r = job.ready_bytes()
-            if a:
-                self.source.publish_partial(job.req_id, a, r)
+            if a and not self.source.publish_partial(job.req_id, a, r):  # D gave up on it: stop encoding it
+                del self._layerwise[job.req_id]
+                self._layerwise_failed.add(job.req_id)
+                self.source.abort(job.req_id)
 
     def _begin_layerwise(self, meta: LynxConnectorMetadata) -> None:
         """Stage this step's requests before its first layer is saved, while nothing waits for staging room

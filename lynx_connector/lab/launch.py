@@ -258,7 +258,7 @@ class Deployment:
             self._init_local(kv_transfer_config)
         #: this deployment's side-channel key (hex), in P's and D's environment (callers' envs may override it)
         self.side_channel_key = secrets.token_hex(32)
-        for server in (self.prefill, self.decode):
+        for server in (self.prefill, self.decode, self.proxy):  # the proxy signs the pipelined flow's params
             server.env["LYNX_SIDE_CHANNEL_KEY"] = self.side_channel_key
         self.prefill.env.update(prefill_env or {})
         self.decode.env.update(decode_env or {})
@@ -332,6 +332,19 @@ class Deployment:
         """Send ``sig`` to every process of P (e.g. SIGSTOP / SIGCONT: a P that goes silent, then resumes)."""
         assert self.prefill.proc is not None
         os.killpg(self.prefill.proc.pid, sig)
+
+    def add_proxy(self, name: str, args: list[str]) -> Server:
+        """One more ``lynx proxy`` in front of the same P and D (local deployments only; call before ``start()``),
+        with ``args`` (e.g. ``["--flow", "sequential"]``): flows compared side by side in one run."""
+        if self._plan is not None:
+            raise ValueError("add_proxy supports local deployments only (not netns)")
+        port = free_port()
+        server = Server(name, [sys.executable, "-m", "lynx_connector.cli", "proxy", "--host", "127.0.0.1",
+                               "--port", str(port), "--prefill", self.prefill.url, "--decode", self.decode.url,
+                               *self._proxy_args, *args], port, self.log_dir / f"{name}.log",
+                        env={**self.proxy.env})
+        self.servers.append(server)
+        return server
 
     @property
     def url(self) -> str:

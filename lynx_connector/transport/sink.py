@@ -94,6 +94,8 @@ class TransferSink(ControlTimers):
         self._reconnects = 0
         self._lease_lost = 0  # pulls P answered as gone (KeepAlive) while they were being read
         self._keepalives = 0
+        self._pipelined = 0  # pulls whose transfer started while P was still publishing layers
+        self._early = 0  # concurrent-flow pulls (started before P may have had the request)
         self._security = {"bad_mac": 0, "replayed": 0, "sessions_lost": 0, "handshakes": 0}
         self._max_in = max(config.max_message_bytes, proto.MAX_MD + 4096)  # a HelloOk carries P's NIXL metadata
         self._stop = False
@@ -181,6 +183,8 @@ class TransferSink(ControlTimers):
             "reconnects": self._reconnects,
             "lease_lost": self._lease_lost,
             "keepalives": self._keepalives,
+            "pipelined_pulls": self._pipelined,
+            "early_pulls": self._early,
             **self._security,
             "chunks_posted": self._sched.stats.chunks_posted,
             "bytes_done": self._sched.stats.bytes_done,
@@ -282,6 +286,7 @@ class TransferSink(ControlTimers):
 
     def _start_pull(self, pull: PullState) -> None:
         self._pulls[pull.req_id] = pull
+        self._early += pull.early
         pull.pending = {ANCHOR} if pull.residual is None else {ANCHOR, RESIDUAL}
         peer = self._peers.get(pull.addr)
         if peer is None:
@@ -458,6 +463,7 @@ class TransferSink(ControlTimers):
         pull.state, pull.generation = "transferring", msg.generation
         ready = self._ready(pull, msg)
         if ready is not None:  # layer-wise publish: read what is ready, ask again for the rest
+            self._pipelined += 1
             pull.ready, pull.progress_at = ready, time.monotonic()
             pull.requery_at = pull.progress_at + self.config.pipeline_poll_s
         self._sched.submit(StreamJob(pull.req_id, ANCHOR, peer.agent, pull.anchor[0],

@@ -62,6 +62,7 @@ class _Entry:
     owner: bytes | None = None  # the session lineage whose Query got Regions
     t_served: float | None = None  # when D first got its Regions (started reading): measures the link (auto)
     ready: tuple[int, int] | None = None  # published in part (layer-wise): readable prefix bytes; None = all
+    writing: bool = False  # staged and the caller is still encoding into it (until `publish`)
 
 
 class TransferSource(SideChannelServer):
@@ -93,13 +94,16 @@ class TransferSource(SideChannelServer):
         self._freed: list[str] = []
         self._pulled: deque[tuple[float, float, int]] = deque(maxlen=1024)  # take_pulled (auto's link measure)
         self._abandoned: OrderedDict[str, None] = OrderedDict()  # expected requests D gave up on (take_abandoned)
+        # Freed by D (Done, lease) while the caller still encodes into them (layer-wise): their regions are freed
+        # only when the caller stops writing (publish / abort), never reused under its writes.
+        self._orphans: dict[str, str] = {}  # req_id -> why it was freed ("done": D read nothing more; "lease")
         self._sessions: OrderedDict[bytes, Session] = OrderedDict()  # zmq identity -> session (service thread)
         self._pending: OrderedDict[bytes, Pending] = OrderedDict()  # zmq identity -> handshake in progress
         self._log = RateLimitedLog()
         self.counters = {"served_queries": 0, "malformed": 0, "freed_done": 0, "freed_lease": 0, "freed_abort": 0,
                          "rejected": 0, "replies_dropped": 0, "auth_failed": 0, "refused": 0, "bad_mac": 0,
                          "replayed": 0, "unknown_request": 0, "bad_notif": 0, "sessions": 0, "renewed": 0,
-                         "keepalive_gone": 0}
+                         "keepalive_gone": 0, "partial_published": 0}
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -152,12 +156,12 @@ class TransferSource(SideChannelServer):
                     token is not None and token != entry.token):
                 raise ValueError(f"request {req_id!r} is already expected with another transfer id or token")
             if staged is not None:
-                entry.staged = staged
+                entry.staged, entry.writing = staged, True
             return entry
         tid, tok = self._mint(transfer_id, token)
         if tid in self._by_tid:
             raise ValueError(f"transfer id {tid} is already in use")
-        entry = self._entries[req_id] = _Entry(staged, tid, tok)
+        entry = self._entries[req_id] = _Entry(staged, tid, tok, writing=staged is not None)
         self._by_tid[tid] = req_id
         self._rejected.pop(tid, None)
         return entry
@@ -211,22 +215,32 @@ class TransferSource(SideChannelServer):
                                                  entry.token)
             self.counters["rejected"] += 1
 
-    def publish(self, req_id: str) -> None:
-        """Make a request's (already written) staging readable by D; starts its lease."""
+    def publish(self, req_id: str) -> bool:
+        """Make a request's (already written) staging readable by D; starts its lease. False when D freed the
+        request while it was being written (its Done, or the lease, came first): its staging is freed now."""
         with self._lock:
-            entry = self._entries.get(req_id)
-            if entry is None or entry.staged is None:
-                raise KeyError(f"no staging for request {req_id!r}")
-            entry.published = True
-            entry.ready = None
-            entry.deadline = time.monotonic() + self.config.lease_s
+            orphan = self._orphans.pop(req_id, None)
+            if orphan is None:
+                entry = self._entries.get(req_id)
+                if entry is None or entry.staged is None:
+                    raise KeyError(f"no staging for request {req_id!r}")
+                entry.published, entry.writing = True, False
+                entry.ready = None
+                entry.deadline = time.monotonic() + self.config.lease_s
+        if orphan is not None:
+            self._free_orphan(req_id, orphan)
+            return False
         self._waker.wake()
+        return True
 
-    def publish_partial(self, req_id: str, anchor_ready: int, residual_ready: int) -> None:
+    def publish_partial(self, req_id: str, anchor_ready: int, residual_ready: int) -> bool:
         """Make the first ``anchor_ready`` / ``residual_ready`` bytes of a request's regions readable while P
         still encodes the rest (layer-wise publish, docs/PROTOCOL.md section 6): D's queries are answered with
-        Regions naming those counts; `publish` makes the whole regions readable. Starts the lease."""
+        Regions naming those counts; `publish` makes the whole regions readable. Starts the lease. False when D
+        has freed the request meanwhile: stop encoding it and call `publish` (or `abort`) to free its staging."""
         with self._lock:
+            if req_id in self._orphans:
+                return False
             entry = self._entries.get(req_id)
             if entry is None or entry.staged is None:
                 raise KeyError(f"no staging for request {req_id!r}")
@@ -235,15 +249,27 @@ class TransferSource(SideChannelServer):
                 raise ValueError(f"ready bytes {anchor_ready}/{residual_ready} outside the regions "
                                  f"({s.anchor_nbytes}/{s.residual_nbytes})")
             if entry.published and entry.ready is None:
-                return  # already whole
+                return True  # already whole
+            self.counters["partial_published"] += 1
             entry.ready = (anchor_ready, residual_ready)
             entry.published = True
             if entry.deadline is None:
                 entry.deadline = time.monotonic() + self.config.lease_s
+        return True
 
     def abort(self, req_id: str) -> bool:
-        """Free a request's staging now; False if it had none."""
+        """Free a request's staging now (the caller stops writing it); False if it had none."""
+        with self._lock:
+            orphan = self._orphans.pop(req_id, None)
+        if orphan is not None:
+            self._free_orphan(req_id, orphan)
+            return True
         return self._free(req_id, "abort")
+
+    def _free_orphan(self, req_id: str, why: str) -> None:
+        """The regions of a request D freed while P wrote them: reused at once after D's Done (D reads nothing
+        more), after the grace period when its lease ran out (a D may still be reading)."""
+        self.pool.free_request(req_id, self.config.lease_grace_s if why == "lease" else 0.0)
 
     def take_abandoned(self, req_id: str) -> bool:
         """True (once) when D's Done for an expected request came before it was staged: D gave up on it (its own
@@ -269,7 +295,7 @@ class TransferSource(SideChannelServer):
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            live = len(self._entries)
+            live = len(self._entries) + len(self._orphans)
         return {
             "pool_bytes": self.pool.nbytes,
             "bytes_allocated": self.pool.bytes_allocated,
@@ -309,6 +335,10 @@ class TransferSource(SideChannelServer):
                 self._abandoned[req_id] = None
                 if len(self._abandoned) > MAX_REJECTED:
                     self._abandoned.popitem(last=False)
+            if entry.writing and why in ("done", "lease"):  # P still encodes into it: freed when P stops
+                self._orphans[req_id] = why
+                logger.debug("staging of %s freed by D (%s) while P writes it: freed when P is done", req_id, why)
+                return True
         if entry.staged is not None:  # a D may still be reading (lease over, or aborted after Regions): not reused
             reading = why == "lease" or (why == "abort" and entry.owner is not None)  # for a while
             self.pool.free_request(req_id, self.config.lease_grace_s if reading else 0.0)

@@ -139,11 +139,13 @@ def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
     expected = set(e2e.MODES) - (set() if result["speculative"]["available"] else {"speculative"})
     assert modes == expected
     assert {r["concurrency"] for r in result["rows"]} == {1, 2}
+    assert {r["flow"] for r in result["rows"]} == {"sequential", "pipelined"}  # side by side, one proxy each
     for r in result["rows"]:
         assert ROW_KEYS <= set(r), sorted(ROW_KEYS - set(r))
         assert r["errors"] == 0, r
         assert r["ttft_s_median"] > 0 and r["tt64_s_median"] >= r["tt32_s_median"] >= r["ttft_s_median"]
         assert r["ideal_ttft_s"] > 0 and r["wire_bytes"] > 0
+        assert r["limit_ttft_s"] > 0 and r["ttft_vs_limit"] > 0
     assert (tmp_path / "e2e.md").exists() and (tmp_path / "e2e_ttft_vs_link.png").exists()
     assert "[1/" in proc.stdout  # progress lines while it runs
 
@@ -163,3 +165,35 @@ def test_kv_config_carries_the_gate_only_when_given() -> None:
     off = json.loads(e2e.kv_config(None, 0.0))["kv_connector_extra_config"]
     assert off["speculative_min_margin"] == 0.0 and off["link_gbps"] is None
 
+
+
+def test_pipelined_limit_overlaps_transfer_with_prefill() -> None:
+    from lynx_connector.lab.bench.e2e.plan import limit_ttfts
+
+    gbps = 8e-9  # 1 byte per second
+    assert limit_ttfts(2.0, [1], gbps, 0.1) == [pytest.approx(2.1)]  # prefill-bound: max(2, 1) + step
+    assert limit_ttfts(2.0, [5], gbps, 0.1) == [pytest.approx(5.1)]  # link-bound: max(2, 5) + step
+    # a batch: request 1's bytes may cross from its prefill start (2 s), after request 0's (done at 5 s)
+    assert limit_ttfts(2.0, [5, 1], gbps, 0.0) == [pytest.approx(5.0), pytest.approx(6.0)]
+    assert limit_ttfts(2.0, [5], None, 0.0) == [pytest.approx(2.0)]  # unpaced: prefill alone
+
+
+def test_pipelined_targets_compare_flows_side_by_side() -> None:
+    def row(label, ratio, mode, flow, ttft, limit=None, prefill=1.0, eq=1.0):
+        return {"rate_label": label, "target_ratio": ratio, "mode": mode, "flow": flow, "concurrency": 1,
+                "ttft_s_median": ttft, "tt32_s_median": ttft + 1, "tt64_s_median": ttft + 2, "prefill_s": prefill,
+                "ttft_vs_limit": None if limit is None else ttft / limit, "speculated": 10, "accepted": 9,
+                "output_equal_full": eq if mode == "speculative" else None}
+
+    rows = [row("slow", 10.0, "int8", "sequential", 4.0), row("slow", 10.0, "speculative", "pipelined", 1.9),
+            row("slow", 10.0, "int4", "pipelined", 1.85), row("mid", 2.0, "speculative", "pipelined", 1.1, 1.0),
+            row("fast", 0.5, "speculative", "pipelined", 1.04, prefill=1.0)]
+    by = {(c["regime"], c["metric"]): c["pass"] for c in e2e.evaluate_targets(rows, [0.5, 2.0, 10.0])}
+    assert by[("slow", "sequential int8 TTFT / pipelined speculative TTFT")] is True  # 4.0 / 1.9
+    assert by[("slow", "pipelined speculative TTFT / pipelined int4 TTFT")] is True  # 1.027
+    assert by[("mid", "pipelined speculative TTFT / limit")] is True  # 1.1
+    assert by[("fast", "pipelined speculative TTFT / prefill")] is True  # 1.04
+    rows[1]["ttft_s_median"] = 2.5
+    by = {(c["regime"], c["metric"]): c["pass"] for c in e2e.evaluate_targets(rows, [0.5, 2.0, 10.0])}
+    assert by[("slow", "sequential int8 TTFT / pipelined speculative TTFT")] is False  # 1.6
+    assert by[("slow", "pipelined speculative TTFT / pipelined int4 TTFT")] is False

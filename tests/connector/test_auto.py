@@ -213,3 +213,20 @@ def test_auto_in_the_concurrent_flow_is_refused_with_a_clear_error():
     hold, params = s.request_finished(r, [])
     assert hold is False and "sequential flow" in params["lynx_error"]["message"]
     assert params["lynx_error"]["code"] == 400 and not s.stats.data["auto"]
+
+
+def test_lynx_proxy_sends_auto_requests_the_sequential_way():
+    """The pipelined flow tells D the mode before P prefills; auto (the client's, or P's own mode, which the proxy
+    learns from P's signed lynx_auto) goes the sequential way, so P's answer tells D what P chose."""
+    from lynx_connector.proxy_flow import FlowBook
+
+    p_params = RemotePrefill(transfer_id="a" * 32, token="b" * 32, engine_id="e", request_id="r", host="h",
+                             ports=(5600,), num_tokens=16, mode="speculative", auto_reason="slow_link").to_params()
+    book = FlowBook(signer=object())
+    book.learn("p", {}, p_params)  # a request without lynx_mode: P's own mode chose speculative
+    assert book.default_mode["p"] == "auto"
+    assert book.plan("p", {}) is None  # P's default is auto: sequential
+    assert book.plan("p", {"kv_transfer_params": {"lynx_mode": "auto"}}) is None
+    assert book.plan("p", {"kv_transfer_params": {"lynx_mode": "full"}})[1] == "full"  # a named mode: pipelined
+    book.learn("p", {}, {**p_params, "lynx_auto": None})
+    assert book.plan("p", {})[1] == "speculative"

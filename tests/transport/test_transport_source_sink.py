@@ -106,7 +106,9 @@ def test_unpublished_times_out_and_size_mismatch(pair) -> None:
     assert "size mismatch" in by[("d2", "anchor")].error and "8192" in by[("d2", "residual")].error
     assert not by[("d1", "anchor")].ok and "not ready" in by[("d1", "anchor")].error
     assert 1.4 < time.monotonic() - t0 < 3.0
-    wait_for(lambda: src.stats()["regions_live"] == 0)  # the failed pulls told P to free
+    wait_for(lambda: src.stats()["freed_done"] == 2)  # the failed pulls told P to free: p2 at once, and p1,
+    src.abort("p1")  # staged but never published (its writer is still at it), once its writer gives up
+    assert src.stats()["regions_live"] == 0 and src.stats()["requests_live"] == 0
 
 
 def test_incompatible_handshake_names_fields(pair, fabric: FakeFabric) -> None:

@@ -90,19 +90,21 @@ def e2e_markdown(result: dict[str, Any]) -> str:
     out.append(_md_table(["deployment", "link Gbit/s", "target BF16/prefill", "measured BF16 (16-bit)/prefill",
                           "bf16-mode passthrough/prefill", "prefill s (tokens: s)", "load avg"], dep_rows))
     out.append("\n### Latency per mode (medians and p90 over requests; times in seconds, at the client)\n")
-    headers = ["link", "conc", "tokens", "mode", "n", "TTFT med", "TTFT p90", "TT32T med", "TT32T p90",
-               "TT64T med", "TT64T p90", "MB wire", "MB measured", "ideal TTFT", "TTFT/ideal", "accept",
-               "held/req", "gate stops", "1st on anchor", "=full", "needle"]
+    headers = ["link", "conc", "tokens", "mode", "flow", "n", "TTFT med", "TTFT p90", "TT32T med", "TT32T p90",
+               "TT64T med", "TT64T p90", "MB wire", "MB measured", "ideal TTFT", "TTFT/ideal", "limit TTFT",
+               "TTFT/limit", "accept", "held/req", "gate stops", "1st on anchor", "=full", "needle"]
     rows = sorted(result.get("rows", []), key=lambda r: (_dep_index(result, r["rate_label"]), r["concurrency"],
-                                                          r["nominal_tokens"], _mode_key(r["mode"])))
+                                                          r["nominal_tokens"], _mode_key(r["mode"]),
+                                                          r.get("flow") or ""))
     table = []
     for r in rows:
         table.append([r["rate_label"], r["concurrency"], r["prompt_tokens"], MODE_LABEL.get(r["mode"], r["mode"]),
+                      r.get("flow", "sequential"),
                       f"{r['n']}{' (' + str(r['errors']) + ' err)' if r['errors'] else ''}",
                       r["ttft_s_median"], r["ttft_s_p90"], r["tt32_s_median"], r["tt32_s_p90"], r["tt64_s_median"],
                       r["tt64_s_p90"], r["wire_bytes"] / 1e6,
                       None if r.get("wire_bytes_measured") is None else r["wire_bytes_measured"] / 1e6,
-                      r["ideal_ttft_s"], r["ttft_vs_ideal"],
+                      r["ideal_ttft_s"], r["ttft_vs_ideal"], r.get("limit_ttft_s"), r.get("ttft_vs_limit"),
                       None if r.get("acceptance") is None else f"{r['acceptance']:.1%}",
                       None if r.get("speculated") is None else r["speculated"] / r["n"],
                       None if r.get("stopped_low_margin") is None
@@ -111,7 +113,8 @@ def e2e_markdown(result: dict[str, Any]) -> str:
                       None if r.get("output_equal_full") is None else f"{r['output_equal_full']:.0%}",
                       None if r.get("needle_accuracy") is None else f"{r['needle_accuracy']:.0%}"])
     out.append(_md_table(headers, table))
-    out.append("\nideal TTFT: " + result.get("ideal_model", "") + ". `=full`: share of requests whose text equals "
+    out.append("\nideal TTFT: " + result.get("ideal_model", "") + ". limit TTFT: " + result.get("limit_model", "n/a")
+               + ". `=full`: share of requests whose text equals "
                "the full mode's for the same prompt. `needle`: share of answers containing the needle number. `1st on anchor`: "
                "speculative requests whose first token (P's full-precision token, confirmed by D's first anchor-phase "
                "token) was released when the anchor landed. `held/req`: tokens decoded on the anchor and held per "
@@ -158,9 +161,13 @@ def plot_e2e(result: dict[str, Any], path: Path) -> Path | None:
         for row_i, key in enumerate(("ttft_s_median", "tt64_s_median")):
             ax = axes[row_i][col]
             for mode in sorted({r["mode"] for r in prs}, key=_mode_key):
-                pts = sorted((r["link_gbps"], r[key]) for r in prs if r["mode"] == mode and r[key] is not None)
-                if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=MODE_LABEL.get(mode, mode))
+                for flow in sorted({r.get("flow", "sequential") for r in prs}, reverse=True):
+                    pts = sorted((r["link_gbps"], r[key]) for r in prs if r["mode"] == mode and r[key] is not None
+                                 and r.get("flow", "sequential") == flow)
+                    if pts:
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                                linestyle="-" if flow == "pipelined" else ":",
+                                label=f"{MODE_LABEL.get(mode, mode)} ({flow})")
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xlabel("link rate (Gbit/s, paced)")

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lynx_connector.concurrent import FLOWS
 from lynx_connector.lab.bench import common
 from lynx_connector.lab.bench.e2e.deploy import restart_decode, speculative_serve_args, start_deployment
 from lynx_connector.lab.bench.e2e.measure import (
@@ -97,8 +98,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     p_cpus = args.p_cpus if args.p_cpus is not None else ("0" if ncpu >= 2 else None)
     d_cpus = args.d_cpus if args.d_cpus is not None else ("1" if ncpu >= 2 else None)
+    flows = tuple(dict.fromkeys(f.strip() for f in args.flow.split(",") if f.strip()))
+    if not flows or any(f not in FLOWS for f in flows):
+        raise SystemExit(f"--flow takes a comma list of {', '.join(FLOWS)}, got {args.flow!r}")
     plan = Plan(modes, lengths, repeats, conc, conc_length, args.max_tokens, args.cache_dtype, max_len,
-                tuple(shlex.split(args.serve_args or "")), p_cpus or None, d_cpus or None, args.spec_min_margin)
+                tuple(shlex.split(args.serve_args or "")), p_cpus or None, d_cpus or None, args.spec_min_margin,
+                flows)
     model = args.model or str(prepare())
     shape = model_shape(model)
     tok = AutoTokenizer.from_pretrained(model)
@@ -117,8 +122,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         schedule = [("unpaced", None, None)]
     conc_ratios = (list(DEFAULT_CONC_RATIOS) if args.conc_ratios is None else None if args.conc_ratios == "all"
                    else [float(x) for x in args.conc_ratios.split(",")])
-    cells_c1 = len(lengths) * len(modes) if 1 in conc else 0
-    cells_cn = sum(1 for c in conc if c > 1) * len(modes)
+    cells_c1 = len(lengths) * len(modes) * len(flows) if 1 in conc else 0
+    cells_cn = sum(1 for c in conc if c > 1) * len(modes) * len(flows)
     n_first = len(schedule) if explicit or quick or args.unpaced_runs else 0
     n_paced = 0 if explicit or quick else len(ratios)
     n_paced_conc = n_paced if conc_ratios is None or not n_paced else sum(1 for r in ratios if r in conc_ratios)
@@ -146,19 +151,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 restart_decode(dep, gbps, log_dir / f"decode{i}.log", plan)
             startup = time.perf_counter() - t_dep if i > 0 else first_startup_s
             # First requests pay one-time costs (allocation, NIXL handshake, each codec's first call on P and D).
+            # Through every flow's proxy: the pipelined one learns P's side channel from its first request.
             for m in dict.fromkeys(["full", *modes]):
-                w = one_request(dep.url, model, warm_prompt, m, 4)
-                if w["error"] or w["tokens"] == 0:
-                    raise RuntimeError(f"warm-up request ({m}) failed on link {label}: {w['error']}; D's log "
-                                       f"{dep.decode.log_path}:\n{dep.decode.log_tail(8)}")
+                for url in dep.flow_urls.values():
+                    w = one_request(url, model, warm_prompt, m, 4)
+                    if w["error"] or w["tokens"] == 0:
+                        raise RuntimeError(f"warm-up request ({m}) failed on link {label}: {w['error']}; D's log "
+                                           f"{dep.decode.log_path}:\n{dep.decode.log_tail(8)}")
             if i == 0 and "speculative" in modes:
                 if spec_args:
                     spec_available, spec_note = detect_speculative(dep, model, prompts[all_lengths[0]][0],
                                                                    dep.decode.log_path)
                 write(f"  speculative mode: {'available' if spec_available else 'NOT AVAILABLE'} ({spec_note})")
                 if not spec_available:
-                    progress.total -= (len(lengths) if 1 in conc else 0) * (n_first + n_paced) + sum(
-                        1 for c in conc if c > 1) * (n_first + n_paced_conc)
+                    progress.total -= len(flows) * ((len(lengths) if 1 in conc else 0) * (n_first + n_paced) + sum(
+                        1 for c in conc if c > 1) * (n_first + n_paced_conc))
             do_runs = gbps is not None or quick or explicit or args.unpaced_runs
             if do_runs:
                 levels = [c for c in conc if c == 1 or conc_ratios is None or ratio is None or ratio in conc_ratios]
@@ -204,12 +211,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "task": args.task, "ignore_eos": True,
                    "temperature": 0.0, "max_model_len": max_len, "serve_args": list(plan.serve_args),
                    "spec_min_margin": plan.spec_min_margin,
-                   "p_cpus": plan.p_cpus, "d_cpus": plan.d_cpus},
+                   "p_cpus": plan.p_cpus, "d_cpus": plan.d_cpus, "flows": list(flows)},
         "speculative": {"available": spec_available, "note": spec_note},
         "calibration_prefill_s": calib_prefill,
         "deployments": deployments, "rows": rows, "requests": requests,
         "ideal_model": "ideal TTFT = measured prefill on P (requests of a batch one after another) + bytes needed "
                        "before the first released token / link rate, the link serving requests in order",
+        "limit_model": "limit TTFT (pipelined) = max(prefill, bytes needed before the first released token / link "
+                       "rate) + one decode step (the cell's median of (TT64T - TT32T) / 32); in a batch, request k's "
+                       "bytes may cross the link from the start of its prefill, after the earlier requests' bytes",
         "targets": TARGETS,
     }
     result["checks"] = evaluate_targets(rows, ratios)
@@ -231,6 +241,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="CI size: one deployment at a fixed rate, "
                    f"{QUICK_LENGTH}-token prompts, concurrency 1 and 2 (< 3 minutes)")
+    p.add_argument("--flow", default=",".join(FLOWS),
+                   help="comma list of proxy flows to compare side by side (one proxy each in front of the same P "
+                        "and D): sequential (P answers, then D: NixlConnector's contract), pipelined (P and D at "
+                        "once, layer-wise publish); default both")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated transfer modes, of {', '.join(MODE_NAMES)} (default: all but int4_kivi)")
     p.add_argument("--lengths", default=None, help=f"concurrency-1 prompt lengths (default {DEFAULT_LENGTHS})")

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from lynx_connector.lab.bench.e2e.plan import ModelShape, Plan, cell_ideals, quantile, wire_bytes
+from lynx_connector.lab.bench.e2e.plan import ModelShape, Plan, cell_ideals, cell_limits, quantile, wire_bytes
 from lynx_connector.logger import init_logger
 
 logger = init_logger(__name__)
@@ -125,31 +125,37 @@ def run_rate(dep: Any, model: str, label: str, link_gbps: float | None, plan: Pl
     prefill = measure_prefills(dep, model, label, prompts)
     rows: list[dict] = []
     requests: list[dict] = []
+    urls = getattr(dep, "flow_urls", None) or {plan.flows[-1]: dep.url}
     for conc in concurrency or plan.concurrency:
         for mode in plan.modes:
             if mode == "speculative" and not spec_available:
                 continue
             lengths = plan.lengths if conc == 1 else [plan.conc_length]
             for n in lengths:
-                before = scrape_counters(dep.decode.url)
-                got: list[dict] = []
-                if conc == 1:
-                    for pr in prompts[n][: plan.repeats]:
-                        got.append(one_request(dep.url, model, pr, mode, plan.max_tokens))
-                else:
-                    batch = prompts[n][:conc]
-                    with ThreadPoolExecutor(max_workers=conc) as pool:
-                        got = list(pool.map(lambda pr, m=mode: one_request(dep.url, model, pr, m,
-                                                                             plan.max_tokens), batch))
-                delta = counter_delta(before, scrape_counters(dep.decode.url))
-                for r in got:
-                    r.update(link_gbps=link_gbps, concurrency=conc, rate_label=label, nominal_tokens=n)
-                requests.extend(got)
-                row = summarize_cell(got, mode, n, conc, link_gbps, label, prefill[n], shape, delta, plan.cache_dtype)
-                rows.append(row)
-                progress.step(f"{label} conc {conc} {mode:<11} {n:>5} tok: TTFT {fmt(row['ttft_s_median'])} s, "
-                              f"TT64T {fmt(row['tt64_s_median'])} s, ideal {fmt(row['ideal_ttft_s'])} s"
-                              + (f", {row['errors']} errors" if row["errors"] else ""))
+                for flow in plan.flows:  # side by side: the same cell through each flow's proxy
+                    url = urls[flow]
+                    before = scrape_counters(dep.decode.url)
+                    got: list[dict] = []
+                    if conc == 1:
+                        for pr in prompts[n][: plan.repeats]:
+                            got.append(one_request(url, model, pr, mode, plan.max_tokens))
+                    else:
+                        batch = prompts[n][:conc]
+                        with ThreadPoolExecutor(max_workers=conc) as pool:
+                            got = list(pool.map(lambda pr, m=mode, u=url: one_request(u, model, pr, m,
+                                                                                        plan.max_tokens), batch))
+                    delta = counter_delta(before, scrape_counters(dep.decode.url))
+                    for r in got:
+                        r.update(link_gbps=link_gbps, concurrency=conc, rate_label=label, nominal_tokens=n, flow=flow)
+                    requests.extend(got)
+                    row = summarize_cell(got, mode, n, conc, link_gbps, label, prefill[n], shape, delta,
+                                         plan.cache_dtype)
+                    row["flow"] = flow
+                    rows.append(row)
+                    progress.step(f"{label} conc {conc} {mode:<11} {n:>5} tok {flow:<10}: TTFT "
+                                  f"{fmt(row['ttft_s_median'])} s (limit {fmt(row['limit_ttft_s'])} s), TT64T "
+                                  f"{fmt(row['tt64_s_median'])} s" + (f", {row['errors']} errors" if row["errors"]
+                                                                       else ""))
     return rows, requests, prefill
 
 
@@ -175,6 +181,14 @@ def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbp
     row["ideal_ttft_s"] = quantile(ideals, 0.5)
     row["ttft_vs_ideal"] = (row["ttft_s_median"] / row["ideal_ttft_s"]
                             if row["ttft_s_median"] and row["ideal_ttft_s"] else None)
+    # the pipelined limit: max(prefill, needed bytes / link) + one decode step (D's, from this cell's own
+    # 32nd..64th tokens)
+    steps = [(r["tt64_s"] - r["tt32_s"]) / 32 for r in ok if r["tt64_s"] is not None and r["tt32_s"] is not None]
+    row["decode_step_s"] = quantile(steps, 0.5)
+    row["limit_ttft_s"] = quantile(cell_limits(prefill_s, list(first), link_gbps, conc, row["decode_step_s"] or 0.0),
+                                   0.5)
+    row["ttft_vs_limit"] = (row["ttft_s_median"] / row["limit_ttft_s"]
+                            if row["ttft_s_median"] and row["limit_ttft_s"] else None)
     drafted = delta.get("lynx_drafted") or delta.get("vllm_drafted") or 0.0
     accepted = delta.get("lynx_accepted") if delta.get("lynx_drafted") else delta.get("vllm_accepted", 0.0)
     row["speculated"] = int(drafted) if mode == "speculative" else None
@@ -190,10 +204,12 @@ def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbp
 
 def mark_output_equality(requests: list[dict]) -> None:
     """``output_equal_full`` on each request: its text equals the full mode's for the same prompt and cell."""
-    full = {(r["rate_label"], r["concurrency"], r["seed"], r["prompt_tokens"]): r["text_sha1"]
-            for r in requests if r["mode"] == "full" and r["error"] is None}
+    def key(r: dict) -> tuple:
+        return r["rate_label"], r["concurrency"], r["seed"], r["prompt_tokens"], r.get("flow")
+
+    full = {key(r): r["text_sha1"] for r in requests if r["mode"] == "full" and r["error"] is None}
     for r in requests:
-        ref = full.get((r["rate_label"], r["concurrency"], r["seed"], r["prompt_tokens"]))
+        ref = full.get(key(r))
         r["output_equal_full"] = None if ref is None or r["error"] else r["text_sha1"] == ref
 
 
@@ -202,7 +218,7 @@ def equality_by_row(rows: list[dict], requests: list[dict]) -> None:
         eq = [r["output_equal_full"] for r in requests
               if r["rate_label"] == row["rate_label"] and r["concurrency"] == row["concurrency"]
               and r["mode"] == row["mode"] and r["nominal_tokens"] == row["nominal_tokens"]
-              and r["output_equal_full"] is not None]
+              and r.get("flow") == row.get("flow") and r["output_equal_full"] is not None]
         row["output_equal_full"] = (sum(eq) / len(eq)) if eq else None
 
 

@@ -91,6 +91,28 @@ def ideal_ttfts(prefill_s: float, first_bytes: list[int], link_gbps: float | Non
     return out
 
 
+def limit_ttfts(prefill_s: float, first_bytes: list[int], link_gbps: float | None, step_s: float) -> list[float]:
+    """The pipelined flow's limit for each request of a batch sent at once: P prefills them one after another;
+    request ``k``'s bytes may cross the link while it is prefilled (from ``k * prefill_s``, after the earlier
+    requests' bytes); its first token comes one decode step after both its prefill and its needed bytes are done:
+    ``max(prefill, bytes / link) + step`` at concurrency 1."""
+    out = []
+    link_free = 0.0
+    for k, nbytes in enumerate(first_bytes):
+        xfer = 0.0 if not link_gbps else nbytes * 8 / (link_gbps * 1e9)
+        link_free = max(k * prefill_s, link_free) + xfer
+        out.append(max((k + 1) * prefill_s, link_free) + step_s)
+    return out
+
+
+def cell_limits(prefill_s: float, first_bytes: list[int], link_gbps: float | None, conc: int,
+                step_s: float) -> list[float]:
+    """Limit TTFTs of a cell's requests (:func:`limit_ttfts`): at concurrency 1 each on its own."""
+    if conc == 1:
+        return [limit_ttfts(prefill_s, [b], link_gbps, step_s)[0] for b in first_bytes]
+    return limit_ttfts(prefill_s, list(first_bytes), link_gbps, step_s)
+
+
 def cell_ideals(prefill_s: float, first_bytes: list[int], link_gbps: float | None, conc: int) -> list[float]:
     """Ideal TTFTs of a cell's requests: at concurrency 1 each request on its own, else as one batch."""
     if conc == 1:
@@ -131,6 +153,8 @@ class Plan:
     d_cpus: str | None = None
     #: D's speculative_min_margin (None: the connector's default).
     spec_min_margin: float | None = None
+    #: The proxy flows compared (lynx_connector.concurrent.FLOWS): one proxy each, in front of the same P and D.
+    flows: tuple[str, ...] = ("sequential", "pipelined")
 
 
 def build_prompts(tok: Any, lengths: list[int], count: int, task: str = "summary") -> dict[int, list[Any]]:

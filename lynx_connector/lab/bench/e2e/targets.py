@@ -13,19 +13,30 @@ TARGETS = {
     "compute_regime_lynx_vs_int8": 1.05,  # lynx (full, speculative) TTFT / int8 TTFT at most at ratio 0.5
     "spec_ttft_vs_full": 1.43,  # full TTFT / speculative TTFT in the transfer-dominated regime (issue 5)
     "spec_acceptance": 0.85,  # accepted / speculated tokens there (issue 5)
+    # issue 15 (pipelined transfer), concurrency 1
+    "pipelined_spec_vs_limit": 1.15,  # balanced regime: pipelined speculative TTFT / its limit at most
+    "seq_int8_vs_pipelined_spec": 2.0,  # transfer-dominated: sequential int8 TTFT / pipelined speculative TTFT
+    "pipelined_spec_vs_int4": 1.05,  # transfer-dominated: pipelined speculative / pipelined int4 TTFT at most
+    "pipelined_spec_vs_prefill": 1.05,  # compute-dominated: pipelined speculative TTFT / prefill at most
 }
+#: The flow the earlier issues' targets are judged on: what ``lynx proxy`` runs by default (rows of results
+#: written before flows existed are sequential).
+DEFAULT_FLOW = "pipelined"
 
 
 def evaluate_targets(rows: list[dict], ratios: list[float]) -> list[dict[str, Any]]:
     """The issue's latency targets, judged on concurrency-1 medians pooled per rate (None = not measurable)."""
     checks: list[dict[str, Any]] = []
 
-    def cells(label: str, mode: str, any_concurrency: bool = False) -> list[dict]:
-        return [r for r in rows if r["rate_label"] == label and r["mode"] == mode
-                and (any_concurrency or r["concurrency"] == 1)]
+    flows = {r.get("flow", "sequential") for r in rows}
+    base = DEFAULT_FLOW if DEFAULT_FLOW in flows else "sequential"
 
-    def med(label: str, mode: str, key: str) -> float | None:
-        vals = [r[key] for r in cells(label, mode) if r[key] is not None]
+    def cells(label: str, mode: str, any_concurrency: bool = False, flow: str | None = None) -> list[dict]:
+        return [r for r in rows if r["rate_label"] == label and r["mode"] == mode
+                and (any_concurrency or r["concurrency"] == 1) and r.get("flow", "sequential") == (flow or base)]
+
+    def med(label: str, mode: str, key: str, flow: str | None = None) -> float | None:
+        vals = [r[key] for r in cells(label, mode, flow=flow) if r[key] is not None]
         return statistics.median(vals) if vals else None
 
     def pooled(label: str, key: str) -> int:
@@ -62,7 +73,38 @@ def evaluate_targets(rows: list[dict], ratios: list[float]) -> list[dict[str, An
             v = med(label, m, "ttft_s_median")
             checks.append(_check(label, f"{m} TTFT / int8 TTFT", v / i8 if v and i8 else None, "<=",
                                  TARGETS["compute_regime_lynx_vs_int8"]))
+    if "pipelined" in flows:
+        checks += _pipelined_checks(rows, ratios, med, cells, hi, lo)
     return checks
+
+
+def _pipelined_checks(rows: list[dict], ratios: list[float], med: Any, cells: Any, hi: list[str],
+                      lo: list[str]) -> list[dict[str, Any]]:
+    """Issue 15's targets: the pipelined flow against its limit, the sequential int8 and the pipelined int4."""
+    out: list[dict[str, Any]] = []
+    mid = sorted(set(ratios) - {min(ratios), max(ratios)}) if len(ratios) > 2 else []
+    balanced = list(dict.fromkeys(r["rate_label"] for r in rows if mid and r.get("target_ratio") in mid))
+    p = "pipelined"
+    for label in balanced:
+        v = med(label, "speculative", "ttft_vs_limit", p)
+        out.append(_check(label, "pipelined speculative TTFT / limit", v, "<=", TARGETS["pipelined_spec_vs_limit"]))
+    for label in hi:
+        spec, i4 = med(label, "speculative", "ttft_s_median", p), med(label, "int4", "ttft_s_median", p)
+        i8_seq = med(label, "int8", "ttft_s_median", "sequential")
+        out.append(_check(label, "sequential int8 TTFT / pipelined speculative TTFT",
+                          i8_seq / spec if spec and i8_seq else None, ">=", TARGETS["seq_int8_vs_pipelined_spec"]))
+        out.append(_check(label, "pipelined speculative TTFT / pipelined int4 TTFT", spec / i4 if spec and i4 else None,
+                          "<=", TARGETS["pipelined_spec_vs_int4"]))
+    for label in lo:
+        spec, pre = med(label, "speculative", "ttft_s_median", p), med(label, "speculative", "prefill_s", p)
+        out.append(_check(label, "pipelined speculative TTFT / prefill", spec / pre if spec and pre else None, "<=",
+                          TARGETS["pipelined_spec_vs_prefill"]))
+    for label in dict.fromkeys(r["rate_label"] for r in rows):
+        eq = [r["output_equal_full"] for r in cells(label, "speculative", any_concurrency=True, flow=p)
+              if r.get("output_equal_full") is not None]
+        if eq:
+            out.append(_check(label, "pipelined speculative outputs equal to full (share)", min(eq), ">=", 1.0))
+    return out
 
 
 def _check(label: str, metric: str, value: float | None, op: str, target: float) -> dict[str, Any]:
@@ -77,7 +119,8 @@ def rederive_ideals(result: dict[str, Any]) -> None:
     shape = ModelShape(**result["model_shape"])
     for row in result["rows"]:
         reqs = [r for r in result["requests"] if r["rate_label"] == row["rate_label"] and r["mode"] == row["mode"]
-                and r["concurrency"] == row["concurrency"] and r["nominal_tokens"] == row["nominal_tokens"]]
+                and r["concurrency"] == row["concurrency"] and r["nominal_tokens"] == row["nominal_tokens"]
+                and r.get("flow") == row.get("flow")]
         first = [wire_bytes(row["mode"], r["prompt_tokens"], shape, result.get("cache_dtype", "float32"))[0]
                  for r in reqs]
         ideals = cell_ideals(row["prefill_s"], first, row["link_gbps"], row["concurrency"])

@@ -1,0 +1,149 @@
+"""The proxy's pipelined flow (issue 15.3, docs/PROTOCOL.md section 6): a request goes to P and D at once.
+
+``lynx proxy --flow pipelined`` (the default) sends a request to its prefill and decode servers concurrently,
+so D allocates the request's blocks and is ready to pull while P still computes the prompt; P publishes each
+layer as soon as it is encoded (``layerwise``), and D reads it at once. The sequential flow (P answers, then D
+is asked) stays what vLLM's router and NixlConnector speak, and what the proxy uses when the pipelined one
+cannot apply:
+
+- the proxy has no deployment key (``LYNX_SIDE_CHANNEL_KEY_FILE`` / ``LYNX_SIDE_CHANNEL_KEY``, or
+  ``--insecure-side-channel`` for a deployment without one): it must sign what it sends P and D;
+- it has not yet learned that prefill server's side channel and default mode: the first request to each P
+  goes the sequential way, and P's answer tells it both (:class:`FlowBook`);
+- the request fans out on P (``n`` > 1, ``best_of``, a list of prompts): its children's transfers are named
+  by P's answer (lynx_connector/fanout.py).
+
+Failures: P's 4xx (e.g. a refused ``lynx_mode``) cancels the call to D (vLLM aborts it and frees its blocks) and
+is relayed as in the sequential flow. P unreachable or failing (5xx, dead mid-prefill) leaves D's call alone: D's
+pull fails (no layer for ``timeout_s``, or nothing published within ``concurrent_wait_s``) and D's
+``kv_load_failure_policy`` decides (recompute: D answers; fail: D's error is relayed). D failing, or the client
+leaving, cancels the call to P (P aborts the request and frees its staging). Nothing is left behind on either side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from lynx_connector.admission import ServerSlots
+from lynx_connector.auto import AUTO_KEY
+from lynx_connector.concurrent import PrefillEndpoint, decode_params, mint, prefill_params
+from lynx_connector.logger import init_logger
+from lynx_connector.modes import AUTO_MODE
+from lynx_connector.proxy_http import Passthrough, ProxyError
+from lynx_connector.proxy_upstream import Call, build_decode_request, decode, prefill
+
+logger = init_logger(__name__)
+
+__all__ = ["FlowBook", "serve_pipelined"]
+
+@dataclass
+class FlowBook:
+    """What the proxy knows to run the pipelined flow: its signer (None: sequential only) and, per prefill
+    server, its side channel and default transfer mode (learned from its answers)."""
+
+    signer: Any | None  # lynx_connector.signing.ParamsSigner
+    endpoints: dict[str, PrefillEndpoint] = field(default_factory=dict)
+    default_mode: dict[str, str] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=lambda: {"pipelined": 0, "sequential": 0})
+
+    def learn(self, p_url: str, body: dict[str, Any], params: dict[str, Any]) -> None:
+        """After a sequential request: P's side channel, and its default mode when the client named none."""
+        endpoint = PrefillEndpoint.from_params(params)
+        if endpoint is not None:
+            self.endpoints[p_url] = endpoint
+        mode = params.get("lynx_mode")
+        if isinstance(mode, str) and client_mode(body) is None:
+            self.default_mode[p_url] = AUTO_MODE if params.get(AUTO_KEY) else mode  # P's own mode is auto
+
+    def plan(self, p_url: str, body: dict[str, Any]) -> tuple[PrefillEndpoint, str] | None:
+        """(P's side channel, the request's mode) when this request can go the pipelined way, else None."""
+        endpoint = self.endpoints.get(p_url)
+        mode = client_mode(body) or self.default_mode.get(p_url)
+        # auto: P picks the mode as it prefills and its answer tells D (issue 16.3): only the sequential way
+        if self.signer is None or endpoint is None or mode is None or mode == AUTO_MODE or fans_out(body):
+            self.counts["sequential"] += 1
+            return None
+        self.counts["pipelined"] += 1
+        return endpoint, mode
+
+
+def client_mode(body: dict[str, Any]) -> str | None:
+    params = body.get("kv_transfer_params")
+    mode = params.get("lynx_mode") if isinstance(params, dict) else None
+    return mode if isinstance(mode, str) else None
+
+
+def fans_out(body: dict[str, Any]) -> bool:
+    """Whether P would run several requests for it (``n`` > 1, ``best_of`` > 1, a list of prompts)."""
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    return several or _count(body.get("n")) > 1 or _count(body.get("best_of")) > 1
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
+
+
+async def serve_pipelined(session: aiohttp.ClientSession, book: FlowBook, prefill_slots: ServerSlots,
+                          call: Call, request: web.Request, body: dict[str, Any], chat: bool, p_url: str,
+                          d_url: str, endpoint: PrefillEndpoint, mode: str) -> web.StreamResponse:
+    """Send the request to P (``p_url``, whose slot the caller holds: released when P answers) and D at once;
+    D's answer is the client's."""
+    assert book.signer is not None
+    transfer_id, token = mint()
+    p_params = book.signer.sign(prefill_params(transfer_id, token, mode))
+    d_params = book.signer.sign(decode_params(endpoint, call.request_id, transfer_id, token, mode))
+    p_call = Call(call.request_id)
+    held = [True]
+
+    def release() -> None:  # once, whether P answered, failed, or its task was cancelled before it ran
+        if held[0]:
+            held[0] = False
+            prefill_slots.release(p_url)
+
+    async def run_prefill() -> dict[str, Any]:
+        try:
+            return await prefill(session, p_call, p_url, request, body, chat, kv_params=p_params)
+        finally:
+            release()
+
+    p_task = asyncio.create_task(run_prefill())
+    d_task = asyncio.create_task(decode(session, call, d_url, request, build_decode_request(body, d_params)))
+    try:
+        await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+        if p_task.done() and isinstance(p_task.exception(), Passthrough):  # P refused the request
+            await _cancel(d_task)
+            exc = p_task.exception()
+            assert isinstance(exc, Passthrough)
+            if call.stream is not None:
+                raise ProxyError(exc.status, "prefill server refused the request", str(exc))
+            raise exc
+        out = await d_task
+    except BaseException:
+        await _cancel(d_task)
+        await _cancel(p_task)  # P aborts the request and frees its staging
+        release()
+        raise
+    p_task.add_done_callback(lambda t: (release(), _log_prefill(call.request_id, p_url, t)))
+    return out
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    if not task.done():
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def _log_prefill(request_id: str, url: str, task: asyncio.Task[Any]) -> None:
+    """P's answer in the pipelined flow is not needed (D got the KV): only its failure is worth a line."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        logger.info("request %s: prefill server %s failed in the pipelined flow (D's kv_load_failure_policy "
+                    "applied): %s", request_id, url, getattr(exc, "detail", exc))

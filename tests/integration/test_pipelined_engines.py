@@ -1,0 +1,154 @@
+"""Issue 15 on real engines: the pipelined flow (``lynx proxy --flow pipelined``: P and D get the request at once,
+P publishes each layer as it is encoded inside the forward, D pulls it at once) gives the same greedy text as the
+sequential flow for every mode; a client that leaves before P finished, a request P refuses, and a P killed
+mid-prefill each end for that request only, and afterwards nothing is staged, pulled or queued on either side.
+Real `lynx serve` P and D, two `lynx proxy` (one per flow), the real model, real NIXL."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.integration.test_load_recovery import Pair, assert_idle, complete
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+TIMEOUT_S = 8.0  # D gives up on a P that publishes nothing more for this long
+WAIT_S = 20.0  # concurrent_wait_s: how long D waits for P to start publishing
+MODES = ("full", "speculative", "int8", "bf16", "int4")
+
+
+def kv_config(side_port: int, status: str) -> str:
+    return json.dumps({"kv_connector": "lynx:speculative", "kv_load_failure_policy": "fail",
+                       "kv_connector_extra_config": {"timeout_s": TIMEOUT_S, "concurrent_wait_s": WAIT_S,
+                                                     "side_channel_port": side_port, "status_dir": status,
+                                                     "allowed_modes": "all"}})
+
+
+@pytest.fixture(scope="module")
+def dep(tmp_path_factory, model):
+    from lynx_connector.lab.launch import Deployment, free_port
+    logs = tmp_path_factory.mktemp("pipelined")
+    status = logs / "status"
+    with_port = kv_config(free_port(), str(status))  # P's side channel on a fixed port (the restart test)
+    d = Deployment(model, logs, kv_transfer_config=with_port, max_model_len=4096,
+                   decode_serve_args=["--kv-transfer-config", kv_config(0, str(status))],
+                   proxy_args=["--flow", "pipelined"])
+    seq = d.add_proxy("proxy-sequential", ["--flow", "sequential"])
+    with d:
+        pair = Pair(d, status, model)
+        pair.seq_url = seq.url  # type: ignore[attr-defined]
+        yield pair
+
+
+def _prompt(n_sentences: int, seed: int = 0) -> str:
+    body = " ".join(f"Fact {seed}.{i}: the river passes mill number {i * 7 + seed} before the bridge."
+                    for i in range(n_sentences))
+    return f"Read the notes and summarize them.\n\n{body}\n\nSummary:"
+
+
+def _stats(url: str) -> dict:
+    with urllib.request.urlopen(url + "/lynx/stats", timeout=10) as resp:
+        return json.load(resp)
+
+
+def _endpoint_counters(status_dir) -> dict[str, float]:
+    from lynx_connector.transport.status import writer_alive
+
+    out = {"partial_published": 0.0, "pipelined_pulls": 0.0, "early_pulls": 0.0}
+    for path in status_dir.glob("*.json"):
+        data = json.loads(path.read_text())
+        if not writer_alive(data):
+            continue
+        for side in ("source", "sink"):
+            for key in out:
+                out[key] += (data.get(side) or {}).get(key, 0)
+    return out
+
+
+def test_pipelined_flow_equals_sequential_for_every_mode(dep):
+    prompt = _prompt(60)
+    warm = complete(dep.url, dep.model, prompt, "full", max_tokens=4)  # the proxy learns P's side channel
+    assert warm["ok"], warm
+    before = _stats(dep.url)["flows"]["pipelined"]
+    for mode in MODES:
+        seq = complete(dep.seq_url, dep.model, prompt, mode, max_tokens=24)
+        pipe = complete(dep.url, dep.model, prompt, mode, max_tokens=24)
+        assert seq["ok"] and pipe["ok"], (mode, seq.get("error"), pipe.get("error"))
+        assert pipe["out"]["choices"][0]["text"] == seq["out"]["choices"][0]["text"], mode
+    stats = _stats(dep.url)
+    assert stats["pipelined_on"] and stats["flows"]["pipelined"] - before == len(MODES)
+    counters = _endpoint_counters(dep.status_dir)
+    # P published layers in part inside the forward; D started pulling before P had finished (concurrent flow)
+    assert counters["partial_published"] > 0 and counters["early_pulls"] >= len(MODES)
+    assert counters["pipelined_pulls"] > 0
+    assert_idle(dep)
+
+
+def test_client_leaving_before_p_finished_leaves_nothing_behind(dep):
+    prompt = _prompt(140, seed=3)
+    body = json.dumps({"model": dep.model, "prompt": prompt, "max_tokens": 64, "temperature": 0,
+                       "stream": True, "kv_transfer_params": {"lynx_mode": "speculative"}}).encode()
+    host, port = dep.url.split("//")[1].split(":")
+    for delay in (0.3, 1.0):  # during P's prefill, and around the transfer
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            time.sleep(delay)
+        # closed: the proxy cancels the calls to P and D
+    assert_idle(dep)
+    ok = complete(dep.url, dep.model, _prompt(20, seed=4), "speculative")
+    assert ok["ok"], ok
+
+
+def test_request_p_refuses_cancels_d_and_is_relayed(dep):
+    res = complete(dep.url, dep.model, _prompt(30, seed=5), "no-such-mode")
+    assert not res["ok"] and "HTTP 400" in res["error"] and "no-such-mode" in res["error"]
+    assert_idle(dep)
+
+
+def test_prefill_killed_mid_prefill_fails_that_request_and_the_next_succeed(dep):
+    results: list[dict] = []
+    prompt = _prompt(160, seed=6)
+
+    def send():
+        results.append(complete(dep.url, dep.model, prompt, "full", max_tokens=16, timeout=WAIT_S + 60))
+
+    t = threading.Thread(target=send)
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(0.8)  # P is prefilling (and publishing layers)
+    dep.dep.restart_prefill()  # SIGKILL, then the same command on the same ports
+    t.join(timeout=WAIT_S + 90)
+    assert not t.is_alive() and results
+    # kv_load_failure_policy fail: the request fails, within D's deadlines (not at the proxy's 30-minute one)
+    assert not results[0]["ok"], results[0]
+    assert time.monotonic() - t0 < WAIT_S + 120
+    for seed in (7, 8):  # the restarted P serves the next requests, through the pipelined flow again
+        ok = complete(dep.url, dep.model, _prompt(20, seed=seed), "speculative")
+        assert ok["ok"], ok
+    assert_idle(dep)
+
+
+def test_side_channel_params_cannot_be_chosen_by_a_client(dep):
+    """A client that sends P concurrent-flow params itself (choosing the transfer id) is refused by P: only the
+    proxy's signature makes P stage under a given id."""
+    from lynx_connector.concurrent import prefill_params
+
+    params = prefill_params("ab" * 16, "cd" * 16, "full")
+    body = {"model": dep.model, "prompt": _prompt(10, seed=9), "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": params}
+    req = urllib.request.Request(dep.dep.prefill.url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        out = json.loads(resp.read())
+    error = out["kv_transfer_params"]["lynx_error"]
+    assert "concurrent-flow params refused" in error["message"] and error["code"] == 400
+    assert "lynx_transfer_id" not in out["kv_transfer_params"]
+    assert_idle(dep)
