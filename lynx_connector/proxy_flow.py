@@ -41,6 +41,9 @@ logger = init_logger(__name__)
 
 __all__ = ["FlowBook", "serve_pipelined"]
 
+#: How long D's finished answer waits for P's verdict (P accepted or refused the request) before it goes out.
+VERDICT_WAIT_S = 30.0
+
 @dataclass
 class FlowBook:
     """What the proxy knows to run the pipelined flow: its signer (None: sequential only) and, per prefill
@@ -113,15 +116,27 @@ async def serve_pipelined(session: aiohttp.ClientSession, book: FlowBook, prefil
             release()
 
     p_task = asyncio.create_task(run_prefill())
-    d_task = asyncio.create_task(decode(session, call, d_url, request, build_decode_request(body, d_params)))
+
+    async def p_verdict() -> None:
+        """D's answer reaches the client only once P has accepted the request: P's refusal (4xx) is the answer
+        then, as in the sequential flow (D may have computed the prompt itself, having refused the params too).
+        P failing otherwise leaves the answer to D (its kv_load_failure_policy); a P silent for
+        ``VERDICT_WAIT_S`` after D answered does too."""
+        try:
+            await asyncio.wait_for(asyncio.shield(p_task), VERDICT_WAIT_S)
+        except Passthrough:
+            raise
+        except (TimeoutError, ProxyError):
+            return
+
+    d_task = asyncio.create_task(decode(session, call, d_url, request, build_decode_request(body, d_params),
+                                        gate=p_verdict))
     try:
         await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
         if p_task.done() and isinstance(p_task.exception(), Passthrough):  # P refused the request
             await _cancel(d_task)
             exc = p_task.exception()
             assert isinstance(exc, Passthrough)
-            if call.stream is not None:
-                raise ProxyError(exc.status, "prefill server refused the request", str(exc))
             raise exc
         out = await d_task
     except BaseException:

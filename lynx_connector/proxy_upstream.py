@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,8 +156,9 @@ async def prefill(session: aiohttp.ClientSession, call: Call, url: str, request:
 
 
 async def decode(session: aiohttp.ClientSession, call: Call, url: str, request: web.Request,
-                 body: dict[str, Any]) -> web.StreamResponse:
-    """D's answer for the client: its body, or its stream relayed as it arrives."""
+                 body: dict[str, Any], gate: Callable[[], Awaitable[None]] | None = None) -> web.StreamResponse:
+    """D's answer for the client: its body, or its stream relayed as it arrives. ``gate`` (pipelined flow) is
+    awaited before the first byte reaches the client; it raises to refuse the answer (P refused the request)."""
     call.phase, call.server = "decode", url
     try:
         resp = await session.post(url + request.path, json=body,
@@ -172,9 +174,11 @@ async def decode(session: aiohttp.ClientSession, call: Call, url: str, request: 
                 payload = await resp.read()
             except (TimeoutError, aiohttp.ClientError) as e:
                 raise transport_error("decode", url, e) from e
+            if gate is not None:
+                await gate()
             out: web.StreamResponse = web.Response(body=payload, status=200, headers={"Content-Type": content_type})
         else:
-            out = await _relay_stream(call, request, resp, content_type)
+            out = await _relay_stream(call, request, resp, content_type, gate)
     except BaseException:
         resp.close()  # D sees the connection close and aborts the request (its blocks are freed)
         raise
@@ -182,14 +186,19 @@ async def decode(session: aiohttp.ClientSession, call: Call, url: str, request: 
     return out
 
 
-async def _relay_stream(call: Call, request: web.Request, resp: aiohttp.ClientResponse,
-                        content_type: str) -> web.StreamResponse:
+async def _relay_stream(call: Call, request: web.Request, resp: aiohttp.ClientResponse, content_type: str,
+                        gate: Callable[[], Awaitable[None]] | None = None) -> web.StreamResponse:
+    if gate is not None:  # nothing reaches the client before the gate opens
+        first = await resp.content.readany()
+        await gate()
+    else:
+        first = None
     out = web.StreamResponse(status=200, headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
     await out.prepare(request)
     call.stream, call.phase = out, "decode stream"
     while True:
         try:
-            chunk = await resp.content.readany()
+            chunk, first = (first, None) if first is not None else (await resp.content.readany(), None)
         except (TimeoutError, aiohttp.ClientError) as e:
             logger.warning("request %s: decode server %s failed mid-stream: %s: %s", call.request_id, call.server,
                            type(e).__name__, e)

@@ -1,0 +1,169 @@
+"""The proxy's pipelined flow (lynx_connector/proxy_flow.py) against fake prefill and decode servers on 127.0.0.1:
+P and D get the request at once with the same proxy-minted, signed ticket; the first request to a P and a
+fanned-out one go the sequential way; P's refusal is the client's answer (D's call cancelled); P failing
+otherwise leaves the answer to D. The real engines: tests/integration/test_pipelined_engines.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from lynx_connector.signing import ParamsSigner
+from tests.test_proxy import P_PARAMS, Fake, run_scenario
+
+KEY = bytes(range(32))
+
+
+class TimedFake(Fake):
+    """A fake that answers after ``delay`` s, records when each request arrived and whether it was cancelled;
+    P's answers can be a refusal (``lynx_error``) or an HTTP error after the first request."""
+
+    def __init__(self, role: str, delay: float = 0.0, refuse: bool = False, fail_after_first: bool = False):
+        super().__init__(role, {**P_PARAMS, "lynx_mode": "full", "lynx_ports": [5600]})
+        self.delay, self.refuse, self.fail_after_first = delay, refuse, fail_after_first
+        self.arrived: list[float] = []
+        self.answered: list[float] = []
+        self.cancelled = 0
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        self.arrived.append(time.monotonic())
+        first = not self.received
+        try:
+            if not first:
+                await asyncio.sleep(self.delay)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if self.role == "prefill" and not first:
+            if self.fail_after_first:
+                self.status = 500
+            elif self.refuse:
+                self.kv_params = {"lynx_error": {"message": "lynx_mode 'int3' is not allowed", "code": 400,
+                                                 "type": "BadRequestError"}}
+        out = await super().generate(request)
+        self.answered.append(time.monotonic())
+        return out
+
+
+def _post(session, url: str, body: dict[str, Any]):
+    return session.post(url + "/v1/completions", json=body)
+
+
+BODY = {"model": "m", "prompt": "hi", "max_tokens": 4}
+
+
+def _with_key(monkeypatch) -> None:
+    monkeypatch.setenv("LYNX_SIDE_CHANNEL_KEY", KEY.hex())
+    monkeypatch.delenv("LYNX_SIDE_CHANNEL_KEY_FILE", raising=False)
+
+
+def test_p_and_d_get_the_request_at_once_with_one_signed_ticket(monkeypatch) -> None:
+    _with_key(monkeypatch)
+    p, d = TimedFake("prefill", delay=0.4), TimedFake("decode")
+
+    async def scenario(session, url):
+        for _ in range(2):
+            async with _post(session, url, BODY) as resp:
+                assert resp.status == 200 and (await resp.json())["choices"][0]["text"] == "Hello!"
+        async with session.get(url + "/lynx/stats") as resp:
+            stats = await resp.json()
+        assert stats["flows"] == {"pipelined": 1, "sequential": 1} and stats["pipelined_on"]
+
+    run_scenario([p], [d], scenario)
+    # the first request taught the proxy P's side channel (sequential: D got P's own params)
+    assert d.received[0]["kv_transfer_params"]["remote_request_id"] == "cmpl-1"
+    p_params, d_params = p.received[1]["kv_transfer_params"], d.received[1]["kv_transfer_params"]
+    assert p_params["lynx_flow"] == d_params["lynx_flow"] == "concurrent"
+    assert p_params["lynx_transfer_id"] == d_params["lynx_transfer_id"] != p_params["lynx_token"]
+    assert len(p_params["lynx_transfer_id"]) == 32 and p_params["lynx_token"] == d_params["lynx_token"]
+    signer = ParamsSigner(KEY, 60)
+    signer.verify(p_params)
+    signer.verify(d_params)  # D accepts them as it accepts P's
+    assert d_params["remote_host"] == "127.0.0.1" and d_params["lynx_ports"] == [5600]
+    assert d_params["remote_num_tokens"] == 0 and d_params["lynx_mode"] == "full"  # P's default mode
+    assert d.arrived[1] < p.answered[1]  # D had the request while P was still working on it
+    assert p.received[1]["max_tokens"] == 1 and p.received[1]["stream"] is False
+
+
+def test_p_refusal_is_the_answer_and_cancels_d(monkeypatch) -> None:
+    _with_key(monkeypatch)
+    p, d = TimedFake("prefill", delay=0.1, refuse=True), TimedFake("decode", delay=0.0)
+
+    async def scenario(session, url):
+        async with _post(session, url, BODY) as resp:
+            assert resp.status == 200
+        for stream in (False, True):  # D answers first (it computed the prompt itself); P's 400 wins
+            async with _post(session, url, {**BODY, "stream": stream}) as resp:
+                assert resp.status == 400, await resp.text()
+                assert "int3" in (await resp.json())["error"]["message"]
+
+    run_scenario([p], [d], scenario)
+
+
+def test_p_refusal_before_d_answers_cancels_d(monkeypatch) -> None:
+    _with_key(monkeypatch)
+    p, d = TimedFake("prefill", delay=0.0, refuse=True), TimedFake("decode", delay=5.0)
+
+    async def scenario(session, url):
+        async with _post(session, url, BODY) as resp:
+            assert resp.status == 200
+        t0 = time.monotonic()
+        async with _post(session, url, BODY) as resp:
+            assert resp.status == 400
+        assert time.monotonic() - t0 < 3.0  # not D's 5 s: its call was dropped
+
+    run_scenario([p], [d], scenario)
+
+
+def test_p_failing_leaves_the_answer_to_d(monkeypatch) -> None:
+    _with_key(monkeypatch)
+    p, d = TimedFake("prefill", delay=0.0, fail_after_first=True), TimedFake("decode", delay=0.2)
+
+    async def scenario(session, url):
+        for _ in range(2):
+            async with _post(session, url, BODY) as resp:
+                assert resp.status == 200  # the second: P answered 500, D (its failure policy) answered
+
+    run_scenario([p], [d], scenario)
+    assert d.received[1]["kv_transfer_params"]["lynx_flow"] == "concurrent"
+
+
+@pytest.mark.parametrize("extra, key", [({"n": 2}, True), ({"prompt": ["a", "b"]}, True), ({}, False)])
+def test_sequential_when_the_pipelined_flow_cannot_apply(monkeypatch, extra, key) -> None:
+    if key:
+        _with_key(monkeypatch)
+    else:
+        monkeypatch.delenv("LYNX_SIDE_CHANNEL_KEY", raising=False)
+        monkeypatch.delenv("LYNX_SIDE_CHANNEL_KEY_FILE", raising=False)
+    p, d = TimedFake("prefill"), TimedFake("decode")
+
+    async def scenario(session, url):
+        for _ in range(2):
+            async with _post(session, url, {**BODY, **extra}) as resp:
+                assert resp.status == 200
+        async with session.get(url + "/lynx/stats") as resp:
+            stats = await resp.json()
+        assert stats["flows"]["pipelined"] == 0 and stats["pipelined_on"] is key
+
+    run_scenario([p], [d], scenario)
+    assert all("lynx_flow" not in body["kv_transfer_params"] for body in d.received)
+
+
+def test_flow_sequential_never_pipelines(monkeypatch) -> None:
+    _with_key(monkeypatch)
+    p, d = TimedFake("prefill"), TimedFake("decode")
+
+    async def scenario(session, url):
+        for _ in range(3):
+            async with _post(session, url, BODY) as resp:
+                assert resp.status == 200
+        async with session.get(url + "/lynx/stats") as resp:
+            assert (await resp.json())["pipelined_on"] is False
+
+    run_scenario([p], [d], scenario, flow="sequential")
+    assert all("lynx_flow" not in json.dumps(body) for body in p.received + d.received)
