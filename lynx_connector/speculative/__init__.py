@@ -3,5 +3,5 @@
 ``scheduler.LynxSpecScheduler`` (the vLLM scheduler class for ``lynx:speculative``), ``proposer.NullProposer``
 (drafts come from the scheduler, not a draft model), ``confidence`` (the greedy-margin gate) and ``state``
 (per-request phases). The scheduler talks to the connector's scheduler half only through
-``lynx_connector.scheduler.SpeculationPort``; the connector's base halves import nothing from this package.
+``lynx_connector.speculation_port.SpeculationPort``; the connector's base halves import nothing from this package.
 """

@@ -52,7 +52,7 @@ from vllm.v1.request import RequestStatus
 
 from lynx_connector.config import REPORT_KEY
 from lynx_connector.logger import init_logger
-from lynx_connector.scheduler import SpeculationPort, speculation_port
+from lynx_connector.speculation_port import SpeculationPort, speculation_port
 from lynx_connector.speculative.confidence import ConfidenceGate
 from lynx_connector.speculative.state import Phase, SpecState
 from lynx_connector.stats import LynxStats

@@ -22,7 +22,6 @@ answered ``Error("refused")``, nothing else.
 
 from __future__ import annotations
 
-import hmac
 import os
 import secrets
 import threading
@@ -37,6 +36,7 @@ import zmq
 
 from lynx_connector.logger import init_logger
 from lynx_connector.transport import protocol as proto
+from lynx_connector.transport.answers import SourceAnswers
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.handshake import Pending, RateLimitedLog, Session, SideChannelServer
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
@@ -65,7 +65,7 @@ class _Entry:
     writing: bool = False  # staged and the caller is still encoding into it (until `publish`)
 
 
-class TransferSource(SideChannelServer):
+class TransferSource(SourceAnswers, SideChannelServer):
     """P-side endpoint; one per worker process."""
 
     def __init__(
@@ -401,26 +401,6 @@ class TransferSource(SideChannelServer):
                 if text.startswith("done:"):
                     self._notified_done(text[5:])
 
-    def _notified_done(self, rest: str) -> None:
-        """A NIXL notification ``done:<transfer_id>:<token>``: frees only with the right token."""
-        tid, _, token = rest.partition(":")
-        with self._lock:
-            entry = self._lookup(tid, token)
-            req_id = None if entry is None else self._by_tid.get(tid)
-        if req_id is None:
-            self.counters["bad_notif"] += 1
-            self._log.warn("bad_notif", f"ignored a NIXL done notification for an unknown request or with a wrong "
-                                        f"token: {rest[:64]!r}")
-            return
-        self._free(req_id, "done")
-
-    def _lookup(self, tid: str, token: str) -> _Entry | None:
-        """The entry of a transfer id presenting its token (constant-time compare), else None (lock held)."""
-        req_id = self._by_tid.get(tid) if isinstance(tid, str) else None
-        entry = self._entries.get(req_id) if req_id is not None else None
-        ok = hmac.compare_digest(str(token).encode(), (entry.token if entry is not None else "x" * 32).encode())
-        return entry if entry is not None and ok else None
-
     def _drain_socket(self) -> None:
         for _ in range(256):
             try:
@@ -428,81 +408,3 @@ class TransferSource(SideChannelServer):
             except zmq.Again:
                 return
             self._handle(frames)
-
-    def _unknown(self, tid: str) -> proto.Error:
-        """The one answer for an unknown transfer id, a wrong token or a transfer another session owns."""
-        self.counters["unknown_request"] += 1
-        return proto.Error(v=proto.VERSION, code="unknown_request", message="no such request", transfer_id=tid)
-
-    def _disown(self, transfer_id: str, owner: bytes) -> None:
-        """The Regions that made ``owner`` the transfer's owner never reached it (its connection is gone): the
-        transfer is nobody's again, so D's next session (or its Done) is not refused for it."""
-        with self._lock:
-            req_id = self._by_tid.get(transfer_id)
-            entry = self._entries.get(req_id) if req_id is not None else None
-            if entry is not None and entry.owner == owner:
-                entry.owner = None
-
-    def _answer(self, sess: Session, msg: proto.Message) -> proto.Message:
-        v = proto.VERSION
-        if isinstance(msg, proto.Query):
-            with self._lock:
-                entry = self._lookup(msg.transfer_id, msg.token)
-                rejected = self._rejected.get(msg.transfer_id)
-                owned_elsewhere = entry is not None and entry.owner is not None and entry.owner != sess.owner
-                if entry is not None and not owned_elsewhere and entry.published and entry.staged is not None:
-                    entry.owner = sess.owner
-                    entry.deadline = time.monotonic() + self.config.lease_s
-                    entry.t_served = entry.t_served or time.monotonic()
-            if entry is None and rejected is not None and hmac.compare_digest(rejected[3].encode(), msg.token.encode()):
-                return proto.Error(v=v, code=rejected[0], message=rejected[1], transfer_id=msg.transfer_id)
-            if entry is None or owned_elsewhere:
-                return self._unknown(msg.transfer_id)
-            if not entry.published or entry.staged is None:
-                return proto.NotReady(v=v, transfer_id=msg.transfer_id)
-            self.counters["served_queries"] += 1
-            s, ready = entry.staged, entry.ready or (-1, -1)
-            return proto.Regions(
-                v=v,
-                transfer_id=msg.transfer_id,
-                anchor_offset=s.anchor_offset,
-                anchor_nbytes=s.anchor_nbytes,
-                residual_offset=s.residual_offset,
-                residual_nbytes=s.residual_nbytes,
-                generation=s.generation,
-                anchor_ready=ready[0],
-                residual_ready=ready[1],
-            )
-        if isinstance(msg, proto.Done):
-            with self._lock:
-                entry = self._lookup(msg.transfer_id, msg.token)
-                req_id = self._by_tid.get(msg.transfer_id) if entry is not None else None
-                if entry is not None and entry.owner is not None and entry.owner != sess.owner:
-                    req_id = None
-                rejected = self._rejected.get(msg.transfer_id)
-                if entry is None and rejected is not None and hmac.compare_digest(rejected[3].encode(),
-                                                                                   msg.token.encode()):
-                    del self._rejected[msg.transfer_id]
-                    return proto.Ack(v=v, transfer_id=msg.transfer_id)
-            if req_id is None:
-                return self._unknown(msg.transfer_id)
-            self._free(req_id, "done")
-            return proto.Ack(v=v, transfer_id=msg.transfer_id)
-        if isinstance(msg, proto.KeepAlive):
-            return self._keep_alive(sess, msg)
-        return proto.Error(v=v, code="unexpected", message=f"P does not accept {type(msg).__name__}")
-
-    def _keep_alive(self, sess: Session, msg: proto.KeepAlive) -> proto.Alive:
-        """Renew the lease of each named transfer this session may pull; the others are answered as gone."""
-        gone = []
-        with self._lock:
-            deadline = time.monotonic() + self.config.lease_s
-            for tid, token in msg.tickets:
-                entry = self._lookup(tid, token)
-                if entry is None or (entry.owner is not None and entry.owner != sess.owner):
-                    gone.append(tid)
-                elif entry.published:
-                    entry.deadline = deadline
-            self.counters["renewed"] += len(msg.tickets) - len(gone)
-            self.counters["keepalive_gone"] += len(gone)
-        return proto.Alive(v=proto.VERSION, gone=gone)

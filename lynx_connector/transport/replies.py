@@ -1,0 +1,192 @@
+"""D's handling of P's side-channel answers (a part of `TransferSink`, service thread only): the handshake
+(Challenge, HelloOk), a request's regions (Regions, NotReady, unknown request, P's refusal), the readable prefix
+of a request P publishes layer by layer (pipelined transfer, docs/PROTOCOL.md section 6), Dones acknowledged and
+leases P no longer holds (Alive)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from lynx_connector.logger import init_logger
+from lynx_connector.transport import protocol as proto
+from lynx_connector.transport.events import ANCHOR, RESIDUAL
+from lynx_connector.transport.link import PeerLink, PullState
+from lynx_connector.transport.scheduler import StreamJob
+
+logger = init_logger(__name__)
+
+__all__ = ["KEY_HINT", "ReplyHandlers"]
+
+KEY_HINT = ("LYNX_SIDE_CHANNEL_KEY_FILE / LYNX_SIDE_CHANNEL_KEY must hold the same key on every prefill and decode "
+            "instance, and insecure_side_channel must be set on both or neither")
+
+
+class ReplyHandlers:
+    """Mixin of `TransferSink`: it works on the sink's pulls, peers, scheduler and counters."""
+
+    config: Any
+    compat: dict[str, Any]
+    compat_hash: str
+    _pulls: dict[str, PullState]
+    _peers: dict[Any, PeerLink]
+
+    def _on_plain(self, peer: PeerLink, msg: proto.Message) -> None:
+        """Frames outside a session: P's Challenge, or its Error to a peer without a (valid) session."""
+        where = f"{peer.addr[0]}:{peer.addr[1]}"
+        if isinstance(msg, proto.Challenge):
+            if peer.state != "hello":
+                return  # the answer to a re-sent Hello: the first one was taken
+            if not peer.on_challenge(msg):
+                self._fail_peer(peer, f"side-channel handshake with {where} failed: the prefill instance did not "
+                                f"prove this deployment's key ({KEY_HINT})")
+                return
+            peer.auth(self.compat)
+            return
+        if not isinstance(msg, proto.Error):
+            logger.warning("side channel from %s: unexpected %s outside a session", where, type(msg).__name__)
+            return
+        if peer.state == "ready" and msg.code == "refused":
+            # P no longer knows our session (restarted, or dropped it): a fresh connection and full handshake
+            self._security["sessions_lost"] += 1
+            self._reconnect(peer, time.monotonic(), why="lost our session")
+            return
+        if msg.code == "refused":
+            what = ("refused our proof of the deployment key or found the KV layout/codec incompatible (P's log "
+                    f"says which; {KEY_HINT})" if peer.state == "auth" else
+                    f"refused the handshake ({KEY_HINT}; P's log says why)")
+            self._fail_peer(peer, f"side-channel handshake with {where} failed: the prefill instance {what}")
+            return
+        self._fail_peer(peer, f"peer {where} rejected the side channel ({msg.code}): {msg.message[:200]}")
+
+    def _on_reply(self, peer: PeerLink, msg: proto.Message) -> None:
+        if isinstance(msg, proto.HelloOk):
+            if peer.state == "auth":
+                self._on_hello(peer, msg)
+            else:  # the answer to a handshake sent again (re-sent or reconnected) after the first was answered
+                logger.debug("side channel from %s: HelloOk after the handshake, ignored", peer.name)
+        elif isinstance(msg, proto.Error) and not msg.transfer_id:
+            self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]} error ({msg.code}): {msg.message[:200]}")
+        elif isinstance(msg, (proto.Regions, proto.NotReady, proto.Error)):
+            for pull in self._pulls_of(peer, msg.transfer_id):
+                if pull.state == "query":
+                    self._on_query_reply(pull, peer, msg)
+                elif pull.state == "transferring" and pull.ready is not None:
+                    self._on_progress(pull, peer, msg)
+        elif isinstance(msg, proto.Ack):
+            self._courier.ack(peer.addr, msg.transfer_id)
+        elif isinstance(msg, proto.Alive):
+            gone = set(msg.gone)
+            for pull in [p for p in self._pulls_of(peer) if p.transfer_id in gone and p.state == "transferring"]:
+                self._lease_lost += 1
+                self._fail(pull, f"peer {peer.name} no longer holds transfer {pull.transfer_id[:8]}… of "
+                           f"{pull.req_id!r} while it is being pulled (its lease ran out or it was freed)")
+        else:
+            logger.warning("side channel from %s:%s: unexpected %s", *peer.addr, type(msg).__name__)
+
+    def _on_hello(self, peer: PeerLink, msg: proto.HelloOk) -> None:
+        if msg.compat_hash != self.compat_hash:
+            self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]} compat hash {msg.compat_hash[:12]} != "
+                            f"ours {self.compat_hash[:12]}")
+            return
+        same = bool(peer.agent) and peer.agent == msg.agent_name and peer.pool_addr == msg.pool_addr
+        if peer.agent and not same:  # re-handshake with a restarted P: its old staging is gone
+            self._sched.fail_peer(peer.agent, f"peer {peer.addr[0]}:{peer.addr[1]} restarted")
+            peer.forget_agent(self._nixl)
+        if not same:
+            try:
+                peer.agent = self._nixl.add_remote(msg.agent_md)
+            except Exception as exc:
+                self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]}: bad NIXL metadata: {exc}")
+                return
+        peer.state, peer.pool_addr, peer.pool_nbytes = "ready", msg.pool_addr, msg.pool_nbytes
+        peer.session_id, peer.lease_s, peer.keepalive_at = msg.session_id, msg.lease_s, 0.0
+        self._security["handshakes"] += 1
+        logger.info("lynx sink: handshake with %s:%s done (agent %s%s)", *peer.addr, peer.agent,
+                    ", reconnected" if peer.reconnects else "")
+        for pull in self._pulls_of(peer):
+            if pull.state != "transferring":
+                self._query(pull)
+
+    def _on_query_reply(self, pull: PullState, peer: PeerLink, msg: proto.Message) -> None:
+        pull.sent_at = None
+        if isinstance(msg, proto.NotReady) or (isinstance(msg, proto.Error) and msg.code == "unknown_request"):
+            pull.last_reply = "not ready" if isinstance(msg, proto.NotReady) else "unknown request"
+            cfg, now = self.config, time.monotonic()
+            if pull.early:  # concurrent flow: P may not have the request yet; ask often, until the deadline
+                pull.backoff = min(cfg.pipeline_poll_s, max(cfg.retry_s, 2 * pull.backoff))
+                pull.retry_at = now + pull.backoff
+                return
+            if isinstance(msg, proto.NotReady):
+                pull.unknown_since = None
+            elif pull.unknown_since is None:
+                pull.unknown_since = now
+            elif now - pull.unknown_since >= cfg.unknown_grace_s:  # P publishes before it answers: final
+                self._fail(pull, f"peer {peer.addr[0]}:{peer.addr[1]} does not have transfer {pull.transfer_id[:8]}… of {pull.req_id!r} "
+                           f"(for {cfg.unknown_grace_s:g}s: its lease ran out, P restarted, or it was never staged)")
+                return
+            pull.backoff = min(cfg.retry_max_s, max(cfg.retry_s, 2 * pull.backoff))
+            pull.retry_at = now + pull.backoff
+            return
+        if isinstance(msg, proto.Error):
+            self._fail(pull, f"peer {peer.addr[0]}:{peer.addr[1]} refused {pull.req_id!r} "
+                       f"({msg.code}): {msg.message}")
+            return
+        assert isinstance(msg, proto.Regions)
+        # No local residual view = this pull wants the anchor only (e.g. decoding on the anchor alone): the
+        # remote residual is then not read, whatever its size; otherwise both sizes must match exactly.
+        want_r = msg.residual_nbytes if pull.residual is None else pull.residual[1]
+        if msg.anchor_nbytes != pull.anchor[1] or msg.residual_nbytes != want_r:
+            self._fail(pull, f"size mismatch for {pull.req_id!r}: remote anchor/residual "
+                       f"{msg.anchor_nbytes}/{msg.residual_nbytes} bytes, local views {pull.anchor[1]}/{want_r}")
+            return
+        for off, n in ((msg.anchor_offset, msg.anchor_nbytes), (msg.residual_offset, msg.residual_nbytes)):
+            if n and not (0 <= off and off + n <= peer.pool_nbytes):
+                self._fail(pull, f"region [{off}, {off + n}) outside the peer's {peer.pool_nbytes}-byte pool")
+                return
+        pull.state, pull.generation = "transferring", msg.generation
+        ready = self._ready(pull, msg)
+        if ready is not None:  # layer-wise publish: read what is ready, ask again for the rest
+            self._pipelined += 1
+            pull.ready, pull.progress_at = ready, time.monotonic()
+            pull.requery_at = pull.progress_at + self.config.pipeline_poll_s
+        self._sched.submit(StreamJob(pull.req_id, ANCHOR, peer.agent, pull.anchor[0],
+                                     peer.pool_addr + msg.anchor_offset, pull.anchor[1], pull.t0,
+                                     ready=None if ready is None else ready[0], order=pull.order))
+        if pull.residual is not None:
+            self._sched.submit(StreamJob(pull.req_id, RESIDUAL, peer.agent, pull.residual[0],
+                                         peer.pool_addr + msg.residual_offset, pull.residual[1], pull.t0,
+                                         ready=None if ready is None else ready[1], order=pull.order))
+
+    @staticmethod
+    def _ready(pull: PullState, msg: proto.Regions) -> tuple[int, int] | None:
+        """The readable (anchor, residual) bytes a Regions answer names for this pull; None when all it reads."""
+        a = pull.anchor[1] if msg.anchor_ready < 0 else min(msg.anchor_ready, pull.anchor[1])
+        want_r = 0 if pull.residual is None else pull.residual[1]
+        r = want_r if msg.residual_ready < 0 else min(msg.residual_ready, want_r)
+        return None if (a, r) == (pull.anchor[1], want_r) else (a, r)
+
+    def _on_progress(self, pull: PullState, peer: PeerLink, msg: proto.Message) -> None:
+        """P's answer to a query for more of a request it publishes layer by layer (the transfer has started)."""
+        pull.sent_at = None
+        now = time.monotonic()
+        if not isinstance(msg, proto.Regions):
+            if isinstance(msg, proto.Error):
+                self._fail(pull, f"peer {peer.name} gave up on {pull.req_id!r} while publishing it "
+                           f"({msg.code}): {msg.message[:200]}")
+            else:
+                pull.requery_at = now + self.config.pipeline_poll_s
+            return
+        if msg.generation != pull.generation:
+            self._fail(pull, f"peer {peer.name} answered for another staging of {pull.req_id!r} (generation "
+                       f"{msg.generation}, pulling {pull.generation})")
+            return
+        ready = self._ready(pull, msg)
+        old = pull.ready
+        assert old is not None
+        if ready is None or ready[0] > old[0] or ready[1] > old[1]:
+            pull.progress_at = now
+        self._sched.extend(pull.req_id, {ANCHOR: None if ready is None else ready[0],
+                                         RESIDUAL: None if ready is None else ready[1]})
+        pull.ready = ready
+        pull.requery_at = None if ready is None else now + self.config.pipeline_poll_s
