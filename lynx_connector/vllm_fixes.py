@@ -23,6 +23,8 @@ Installed by the plugin in every vLLM process; idempotent; a vLLM without those 
 from __future__ import annotations
 
 import functools
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 from lynx_connector.logger import init_logger
@@ -32,52 +34,53 @@ logger = init_logger(__name__)
 _MARK = "_lynx_empty_batch_guard"
 
 
-def guard_empty_top_k() -> bool:
-    """Install the guard; True when it is in place (now or before)."""
+def _install(module: str, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace ``module.name`` by ``make(original)`` (marked, so a second call is a no-op); True when the guard
+    is in place, False when vLLM (or that function) is not there."""
     try:
-        from vllm.v1.sample.ops import topk_topp_sampler as mod
+        mod = importlib.import_module(module)
     except Exception:  # no vLLM, or another layout: nothing to guard
         return False
-    original = getattr(mod, "apply_top_k_only", None)
+    original = getattr(mod, name, None)
     if original is None:
         return False
     if getattr(original, _MARK, False):
         return True
-
-    @functools.wraps(original)
-    def apply_top_k_only(logits: Any, k: Any, *args: Any, **kwargs: Any) -> Any:
-        if logits.shape[0] == 0:  # no row to mask (a speculative batch without draft tokens)
-            return logits
-        return original(logits, k, *args, **kwargs)
-
-    setattr(apply_top_k_only, _MARK, True)
-    mod.apply_top_k_only = apply_top_k_only
+    guard = functools.wraps(original)(make(original))
+    setattr(guard, _MARK, True)
+    setattr(mod, name, guard)
     return True
+
+
+def guard_empty_top_k() -> bool:
+    """Install the top-k guard; True when it is in place (now or before)."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def apply_top_k_only(logits: Any, k: Any, *args: Any, **kwargs: Any) -> Any:
+            if logits.shape[0] == 0:  # no row to mask (a speculative batch without draft tokens)
+                return logits
+            return original(logits, k, *args, **kwargs)
+
+        return apply_top_k_only
+
+    return _install("vllm.v1.sample.ops.topk_topp_sampler", "apply_top_k_only", make)
 
 
 def guard_cpu_expand() -> bool:
     """Install the CPU expansion of the rejection sampler's per-request parameters; True when it is in place."""
-    try:
-        from vllm.v1.sample import rejection_sampler as mod
-    except Exception:
-        return False
-    original = getattr(mod, "expand_batch_to_tokens", None)
-    if original is None:
-        return False
-    if getattr(original, _MARK, False):
-        return True
 
-    @functools.wraps(original)
-    def expand_batch_to_tokens(x: Any, cu_num_tokens: Any, num_tokens: int, replace_from: Any = 0,
-                               replace_to: Any = 0) -> Any:
-        if x.device.type != "cpu":
-            return original(x, cu_num_tokens, num_tokens, replace_from, replace_to)
-        import torch
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def expand_batch_to_tokens(x: Any, cu_num_tokens: Any, num_tokens: int, replace_from: Any = 0,
+                                   replace_to: Any = 0) -> Any:
+            if x.device.type != "cpu":
+                return original(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+            import torch
 
-        counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
-        values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
-        return torch.repeat_interleave(values, counts, output_size=num_tokens)
+            counts = torch.diff(cu_num_tokens.to(torch.int64),
+                                prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
+            values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+            return torch.repeat_interleave(values, counts, output_size=num_tokens)
 
-    setattr(expand_batch_to_tokens, _MARK, True)
-    mod.expand_batch_to_tokens = expand_batch_to_tokens
-    return True
+        return expand_batch_to_tokens
+
+    return _install("vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens", make)
