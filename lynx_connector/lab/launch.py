@@ -66,6 +66,10 @@ class Server:
     host: str = "127.0.0.1"
     #: network namespace the server runs in (None: this one)
     netns: str | None = None
+    #: the cores the whole server (every process and thread it starts) may run on; None = any. The e2e bench
+    #: pins P and D to the cores of their compute threads, as on separate machines: else D's engine loop,
+    #: stepping while it waits for KV, takes P's core during P's prefill (the pipelined flow's D waits then).
+    cpus: set[int] | None = None
 
     @property
     def url(self) -> str:
@@ -80,7 +84,13 @@ class Server:
         # (`ip netns exec` execs the command: the pid is the server's.)
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
-        logger.info("started %s (pid %s): %s", self.name, self.proc.pid, " ".join(argv))
+        if self.cpus:  # before vLLM spawns its engine and workers (seconds later): they inherit it
+            try:
+                os.sched_setaffinity(self.proc.pid, self.cpus)
+            except OSError as exc:
+                logger.warning("cannot pin %s to cores %s: %s", self.name, sorted(self.cpus), exc)
+        logger.info("started %s (pid %s%s): %s", self.name, self.proc.pid,
+                    f", cores {sorted(self.cpus)}" if self.cpus else "", " ".join(argv))
 
     def reach(self) -> contextlib.AbstractContextManager[None]:
         """Context in which this server's URL is reachable from the calling thread."""
@@ -163,6 +173,21 @@ def cpu_binding(role: str) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": f"{n // 2}-{n - 1}" if n >= 4 else "1"}
 
 
+def cpu_set(binding: str | None) -> set[int] | None:
+    """The cores of a ``VLLM_CPU_OMP_THREADS_BIND`` value such as ``0``, ``2-3`` or ``0,2`` (None: not such a
+    list, e.g. ``auto`` or several workers' ``0-1|2-3``)."""
+    if not binding:
+        return None
+    out: set[int] = set()
+    try:
+        for part in binding.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        return None
+    return out or None
+
+
 def server_env(role: str, cpus: str | None = None) -> dict[str, str]:
     """Environment of a P (``prefill``) or D (``decode``) server: ``SERVER_ENV`` and its cores
     (``cpus`` when given, else :func:`cpu_binding`)."""
@@ -234,10 +259,11 @@ class Deployment:
                  max_model_len: int = 4096, startup_timeout: float = 420.0, extra_serve_args: list[str] | None = None,
                  netns: bool = False, link_mbit: float | None = None, decode_serve_args: list[str] | None = None,
                  prefill_env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None,
-                 proxy_args: list[str] | None = None):
+                 proxy_args: list[str] | None = None, pin_servers: bool = False):
         """``extra_serve_args`` go to P and D, ``decode_serve_args`` to D only (after them); ``prefill_env`` and
         ``decode_env`` override the servers' environment (e.g. ``VLLM_CPU_OMP_THREADS_BIND``); ``proxy_args``
-        go to ``lynx proxy`` (e.g. ``--max-inflight 4``)."""
+        go to ``lynx proxy`` (e.g. ``--max-inflight 4``); ``pin_servers`` runs P and D wholly on the cores of
+        their compute threads (``VLLM_CPU_OMP_THREADS_BIND``), as on separate machines."""
         self._proxy_args = list(proxy_args or [])
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -262,6 +288,9 @@ class Deployment:
             server.env["LYNX_SIDE_CHANNEL_KEY"] = self.side_channel_key
         self.prefill.env.update(prefill_env or {})
         self.decode.env.update(decode_env or {})
+        if pin_servers:  # each server on the cores of its compute threads only (the e2e bench)
+            for server in (self.prefill, self.decode):
+                server.cpus = cpu_set(server.env.get("VLLM_CPU_OMP_THREADS_BIND"))
 
     def _init_local(self, kv_cfg: str) -> None:
         p_port, d_port, x_port = free_port(), free_port(), free_port()

@@ -43,12 +43,13 @@ class Started(NamedTuple):
 
 
 def make_deployment(model: str, log_dir: Path, gbps: float | None, spec_args: list[str], plan: Plan) -> Deployment:
-    """P + D + proxy, D with ``spec_args``; P and D on disjoint cores (the CPU backend's OpenMP binding), as on
-    separate machines: without it both servers bind their threads to every core and starve each other's
-    transfer threads."""
+    """P + D + proxy, D with ``spec_args``; P and D on disjoint cores (the CPU backend's OpenMP binding, and
+    every process and thread of each server: ``pin_servers``), as on separate machines: without it both servers
+    bind their threads to every core and starve each other's transfer threads, and D's engine loop, stepping
+    while a pipelined request waits for its KV, runs on P's core during P's prefill."""
     dep = Deployment(model, log_dir, kv_transfer_config=kv_config(gbps, plan.spec_min_margin),
                      max_model_len=plan.max_model_len, extra_serve_args=list(plan.serve_args),
-                     decode_serve_args=spec_args, proxy_args=["--flow", plan.flows[-1]],
+                     decode_serve_args=spec_args, proxy_args=["--flow", plan.flows[-1]], pin_servers=True,
                      prefill_env={"VLLM_CPU_OMP_THREADS_BIND": plan.p_cpus} if plan.p_cpus else None,
                      decode_env={"VLLM_CPU_OMP_THREADS_BIND": plan.d_cpus} if plan.d_cpus else None)
     # one proxy per flow in front of the same P and D, so the flows are measured side by side
