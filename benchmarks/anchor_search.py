@@ -233,10 +233,16 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
 def score_windows(model, windows, fmts: list[Fmt], cont: int) -> dict[str, dict]:
     """dNLL, KV vNMSE and attention-output error per candidate over the perplexity windows."""
     per: dict[str, dict] = {f.name: {"stats": {}, "probe": {}, "dnll": []} for f in fmts}
+    sink_norms: dict[str, list[float]] = {}
+    per["_sink_norms"] = sink_norms
     for w in windows:
         c, x = w[:-cont], w[-cont:]
         base = model(torch.tensor([c]), use_cache=True).past_key_values
         PROBE.exact = {i: (lay.keys.clone(), lay.values.clone()) for i, lay in enumerate(base.layers)}
+        for lay in base.layers:  # the first token's K and V norms against the median token's, per layer and head
+            for tag, z in (("k", lay.keys[0]), ("v", lay.values[0])):
+                n = z.norm(dim=-1)  # [H, T]
+                sink_norms.setdefault(tag, []).extend((n[:, 0] / n[:, 1:].median(-1).values).tolist())
 
         def nll(cache, x=x) -> float:
             lp = model(torch.tensor([x]), past_key_values=cache, use_cache=True).logits[0, :-1].log_softmax(-1)
@@ -302,7 +308,9 @@ def markdown(result: dict) -> str:
             f"{r['attn_err_k']:.2e} | {r['attn_err_v']:.2e} | {r['dnll']:+.4f} (±{r['dnll_ci95']:.4f}) | "
             f"{statistics.mean(fd) if fd else float('nan'):.1f} | {statistics.median(fd) if fd else float('nan'):.1f} |")
     lines += ["", f"Mean attention weight on the first token (exact KV, all layers and heads): "
-              f"{result['sink_share']:.3f}.", "",
+              f"{result['sink_share']:.3f}. Its norm over the median token's (per layer and head): "
+              + ", ".join(f"{tag.upper()} median {r['median']:.2f} (min {r['min']:.2f}, max {r['max']:.2f})"
+                          for tag, r in result["sink_norm_ratio"].items()) + ".", "",
               "bits/value: anchor plane at head_dim 64 and 1024 tokens, fp16 metadata included (budget "
               f"{BUDGET_BITS}); vNMSE: ||x - x̂||² / ||x||² pooled over layers and windows (full: anchor + "
               f"residual, target {FULL_TARGET:g}); attn err: the same ratio for the attention outputs of the scored "
@@ -358,7 +366,10 @@ def main(argv: list[str] | None = None) -> int:
               "config": {"prompts": args.prompts, "context": args.context, "tokens": args.tokens,
                          "windows": args.windows, "window_tokens": args.window_tokens,
                          "continuation_tokens": args.continuation_tokens},
-              "sink_share": pr0["sink_share"] / pr0["queries"], "formats": rows,
+              "sink_share": pr0["sink_share"] / pr0["queries"],
+              "sink_norm_ratio": {tag: {"median": statistics.median(x), "min": min(x), "max": max(x)}
+                                  for tag, x in per["_sink_norms"].items()},
+              "formats": rows,
               "wall_s": time.perf_counter() - t0}
     md = markdown(result)
     sys.stdout.write(md + "\n")
