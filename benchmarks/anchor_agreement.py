@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-LYNX_DEFAULT = "lynx default: K channel/256, V channel/32"
+LYNX_DEFAULT = "lynx default (LYNX_DEFAULTS)"
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
 
 
@@ -113,8 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     def bits(cfg: tuple) -> float:
         return sum(4 + (32 / g if mode == "channel" else 32 / 64) for mode, g in cfg) / 2  # head_dim 64
 
+    from lynx_connector.codec import LYNX_DEFAULTS as dflt
+
     configs = {
-        LYNX_DEFAULT: (("channel", 256), ("channel", 32)),
+        LYNX_DEFAULT: tuple((dflt[f"{x}_group"], dflt[f"{x}_group_tokens"] if dflt[f"{x}_group"] == "channel" else 1)
+                            for x in "kv"),
+        "previous default: K channel/256, V channel/32": (("channel", 256), ("channel", 32)),
+        "K channel/64, V token (int4_kivi grouping)": (("channel", 64), ("token", 1)),
         "K channel/256, V token": (("channel", 256), ("token", 1)),
         "K channel/64, V channel/64": (("channel", 64), ("channel", 64)),
         "K channel/32, V channel/64": (("channel", 32), ("channel", 64)),

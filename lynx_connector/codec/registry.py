@@ -1,9 +1,14 @@
 """``get_codec(name, **options)``: the Lynx codec and the baselines behind one interface.
 
-Lynx default grouping (chosen by measured anchor vNMSE on real SmolLM2 KV at <= 4.6 bits/value, table in
-docs/ARCHITECTURE.md): K per channel over 256 tokens (outlier channels get their own range, as in KIVI; 4.125
-bits/value), V per channel over 32 tokens (5.0 bits/value); 4.5625 bits/value for the anchor plane overall.
-Options override: ``group_tokens`` sets both K and V, ``k_group_tokens``/``v_group_tokens`` one each.
+Lynx default grouping (issue 17, chosen by what speculation needs: attention-output error under the model's real
+queries, greedy agreement and dNLL on real text, at <= 4.6 bits/value; table in benchmarks/README.md and
+benchmarks/results/anchor_search.md): K per channel over 64 tokens (outlier channels get their own range, as in
+KIVI), V per token (each token's value its own range: the attention-sink token, whose value is near zero and
+which draws a large share of the attention, keeps its precision); 4.5 bits/value for the anchor plane at
+head_dim 64. The previous default, K per channel over 256 and V per channel over 32 (lower V vNMSE, but 7x the
+attention-output error from V on SmolLM2), stays selectable: ``k_group_tokens=256, v_group="channel"``.
+Options override: ``group_tokens`` sets both K and V, ``k_group_tokens``/``v_group_tokens`` one each
+(``v_group_tokens`` sizes V's channel groups when ``v_group="channel"``).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from .base import Codec
 from .groupquant import GroupQuantCodec
 from .simple import Fp8Codec, PassthroughCodec
 
-LYNX_DEFAULTS = {"k_group": "channel", "v_group": "channel", "k_group_tokens": 256, "v_group_tokens": 32}
+LYNX_DEFAULTS = {"k_group": "channel", "v_group": "token", "k_group_tokens": 64, "v_group_tokens": 32}
 
 
 

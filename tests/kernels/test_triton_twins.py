@@ -102,3 +102,35 @@ def test_triton_int4_and_nonfinite() -> None:
     with pytest.raises(NonFiniteKVError):
         encode(codec, src, [2], layout, BS, torch.zeros(na, dtype=torch.uint8), torch.zeros(nr, dtype=torch.uint8),
                impl="triton")
+
+
+@interpreter_only
+@pytest.mark.parametrize(("backend", "dtype"), [("cpu", torch.float32), ("flash", torch.bfloat16)])
+def test_triton_default_lynx_one_head_256(backend, dtype) -> None:
+    """The default Lynx grouping (LYNX_DEFAULTS) on one KV head of 256 with K outlier channels and a sink token:
+    Triton's planes and caches equal the torch twin's (issue 17.3)."""
+    d, t, ids = 256, 3 * BS + 7, [5, 2, 0, 3]
+    layout = KVLayout.cpu(1, BS, d, dtype, isa="vec") if backend == "cpu" else KVLayout.flash(1, BS, d, dtype)
+    gen = torch.Generator().manual_seed(17)
+    src = torch.randn(6, 1, BS, 2 * d, generator=gen)
+    src[..., [3, 77, 200]] *= 40.0  # K outlier channels
+    src[5, 0, 0, :d] *= 8.0  # block 5 holds the first token: a sink with a large K
+    src = src.to(dtype)
+    codec = get_codec("lynx")
+    na, nr = plane_nbytes(codec, layout, t)
+    planes = {}
+    for impl in ("torch", "triton"):
+        a, r = torch.zeros(na, dtype=torch.uint8), torch.zeros(nr, dtype=torch.uint8)
+        encode(codec, src, ids, layout, t, a, r, impl=impl)
+        planes[impl] = (a, r)
+    assert torch.equal(planes["torch"][0], planes["triton"][0]) and torch.equal(planes["torch"][1], planes["triton"][1])
+    a, r = planes["torch"]
+    for merge in (False, True):
+        outs = []
+        for impl in ("torch", "triton"):
+            dst = torch.zeros_like(src)
+            decode_anchor(codec, a, dst, ids, layout, t, impl=impl)
+            if merge:
+                merge_residual(codec, a, r, dst, ids, layout, t, impl=impl)
+            outs.append(dst.view(torch.uint8))
+        assert torch.equal(outs[0], outs[1])
