@@ -74,7 +74,7 @@ def test_p_and_d_get_the_request_at_once_with_one_signed_ticket(monkeypatch) -> 
             stats = await resp.json()
         assert stats["flows"] == {"pipelined": 1, "sequential": 1} and stats["pipelined_on"]
 
-    run_scenario([p], [d], scenario)
+    run_scenario([p], [d], scenario, flow="pipelined")
     # the first request taught the proxy P's side channel (sequential: D got P's own params)
     assert d.received[0]["kv_transfer_params"]["remote_request_id"] == "cmpl-1"
     p_params, d_params = p.received[1]["kv_transfer_params"], d.received[1]["kv_transfer_params"]
@@ -102,7 +102,7 @@ def test_p_refusal_is_the_answer_and_cancels_d(monkeypatch) -> None:
                 assert resp.status == 400, await resp.text()
                 assert "int3" in (await resp.json())["error"]["message"]
 
-    run_scenario([p], [d], scenario)
+    run_scenario([p], [d], scenario, flow="pipelined")
 
 
 def test_p_refusal_before_d_answers_cancels_d(monkeypatch) -> None:
@@ -117,7 +117,7 @@ def test_p_refusal_before_d_answers_cancels_d(monkeypatch) -> None:
             assert resp.status == 400
         assert time.monotonic() - t0 < 3.0  # not D's 5 s: its call was dropped
 
-    run_scenario([p], [d], scenario)
+    run_scenario([p], [d], scenario, flow="pipelined")
 
 
 def test_p_failing_leaves_the_answer_to_d(monkeypatch) -> None:
@@ -129,7 +129,7 @@ def test_p_failing_leaves_the_answer_to_d(monkeypatch) -> None:
             async with _post(session, url, BODY) as resp:
                 assert resp.status == 200  # the second: P answered 500, D (its failure policy) answered
 
-    run_scenario([p], [d], scenario)
+    run_scenario([p], [d], scenario, flow="pipelined")
     assert d.received[1]["kv_transfer_params"]["lynx_flow"] == "concurrent"
 
 
@@ -150,7 +150,7 @@ def test_sequential_when_the_pipelined_flow_cannot_apply(monkeypatch, extra, key
             stats = await resp.json()
         assert stats["flows"]["pipelined"] == 0 and stats["pipelined_on"] is key
 
-    run_scenario([p], [d], scenario)
+    run_scenario([p], [d], scenario, flow="pipelined")
     assert all("lynx_flow" not in body["kv_transfer_params"] for body in d.received)
 
 
