@@ -31,6 +31,19 @@ pytestmark = pytest.mark.triton
 interpreter_only = pytest.mark.skipif(not IN_INTERPRETER, reason="runs in the interpreter subprocess")
 
 
+
+def _encode_both(codec, src, ids, layout, t):
+    """Encode with the torch twin and the Triton kernel; their planes must be bit-identical (returns torch's)."""
+    na, nr = plane_nbytes(codec, layout, t)
+    planes = {}
+    for impl in ("torch", "triton"):
+        a, r = torch.zeros(na, dtype=torch.uint8), torch.zeros(nr, dtype=torch.uint8)
+        encode(codec, src, ids, layout, t, a, r, impl=impl)
+        planes[impl] = (a, r)
+    assert torch.equal(planes["torch"][0], planes["triton"][0])
+    assert torch.equal(planes["torch"][1], planes["triton"][1])
+    return planes["torch"]
+
 @pytest.mark.skipif(IN_INTERPRETER, reason="this is the subprocess")
 @pytest.mark.timeout(900)
 def test_triton_twins_in_the_interpreter() -> None:
@@ -63,15 +76,7 @@ def test_triton_bit_exact(backend, isa, dtype, d, kg, vg) -> None:
     layout = _layout(backend, isa, dtype, d)
     codec = get_codec("lynx", k_group=kg, v_group=vg, k_group_tokens=32, v_group_tokens=16)
     t, ids = 2 * BS + 11, [3, 1, 4]  # ragged channel group and partial block
-    na, nr = plane_nbytes(codec, layout, t)
-    planes = {}
-    for impl in ("torch", "triton"):
-        a, r = torch.zeros(na, dtype=torch.uint8), torch.zeros(nr, dtype=torch.uint8)
-        encode(codec, src, ids, layout, t, a, r, impl=impl)
-        planes[impl] = (a, r)
-    assert torch.equal(planes["torch"][0], planes["triton"][0])
-    assert torch.equal(planes["torch"][1], planes["triton"][1])
-    a, r = planes["torch"]
+    a, r = _encode_both(codec, src, ids, layout, t)
     base = torch.randn(src.shape, generator=gen).to(dtype)
     for merge in (False, True):
         outs = []
@@ -117,14 +122,7 @@ def test_triton_default_lynx_one_head_256(backend, dtype) -> None:
     src[5, 0, 0, :d] *= 8.0  # block 5 holds the first token: a sink with a large K
     src = src.to(dtype)
     codec = get_codec("lynx")
-    na, nr = plane_nbytes(codec, layout, t)
-    planes = {}
-    for impl in ("torch", "triton"):
-        a, r = torch.zeros(na, dtype=torch.uint8), torch.zeros(nr, dtype=torch.uint8)
-        encode(codec, src, ids, layout, t, a, r, impl=impl)
-        planes[impl] = (a, r)
-    assert torch.equal(planes["torch"][0], planes["triton"][0]) and torch.equal(planes["torch"][1], planes["triton"][1])
-    a, r = planes["torch"]
+    a, r = _encode_both(codec, src, ids, layout, t)
     for merge in (False, True):
         outs = []
         for impl in ("torch", "triton"):
