@@ -197,7 +197,7 @@ class PullState:
     residual: tuple[int, int] | None
     t0: float
     deadline: float
-    state: str = "wait_peer"  # wait_peer -> query -> transferring
+    state: str = "wait_peer"  # wait_peer -> query [-> staged (held) -> query] -> transferring
     retry_at: float | None = None  # query again at (after a NotReady answer)
     sent_at: float | None = None  # a query is out and unanswered since
     backoff: float = 0.0
@@ -216,6 +216,9 @@ class PullState:
     ready: tuple[int, int] | None = None
     requery_at: float | None = None
     progress_at: float = 0.0
+    #: Watched (`TransferSink.watch`): D has no staging for it yet; once P answers its regions the pull is
+    #: "staged" and waits for `attach` (its anchor/residual addresses are 0 until then).
+    held: bool = False
 
 
 class DoneCourier:

@@ -30,6 +30,8 @@ class ReplyHandlers:
     compat_hash: str
     _pulls: dict[str, PullState]
     _peers: dict[Any, PeerLink]
+    _ev_lock: Any
+    _staged: list[str]
 
     def _on_plain(self, peer: PeerLink, msg: proto.Message) -> None:
         """Frames outside a session: P's Challenge, or its Error to a peer without a (valid) session."""
@@ -77,7 +79,8 @@ class ReplyHandlers:
             self._courier.ack(peer.addr, msg.transfer_id)
         elif isinstance(msg, proto.Alive):
             gone = set(msg.gone)
-            for pull in [p for p in self._pulls_of(peer) if p.transfer_id in gone and p.state == "transferring"]:
+            for pull in [p for p in self._pulls_of(peer)
+                         if p.transfer_id in gone and p.state in ("transferring", "staged")]:
                 self._lease_lost += 1
                 self._fail(pull, f"peer {peer.name} no longer holds transfer {pull.transfer_id[:8]}… of "
                            f"{pull.req_id!r} while it is being pulled (its lease ran out or it was freed)")
@@ -105,7 +108,7 @@ class ReplyHandlers:
         logger.info("lynx sink: handshake with %s:%s done (agent %s%s)", *peer.addr, peer.agent,
                     ", reconnected" if peer.reconnects else "")
         for pull in self._pulls_of(peer):
-            if pull.state != "transferring":
+            if pull.state not in ("transferring", "staged"):  # a staged pull's lease: KeepAlives (gone = fail)
                 self._query(pull)
 
     def _on_query_reply(self, pull: PullState, peer: PeerLink, msg: proto.Message) -> None:
@@ -144,6 +147,12 @@ class ReplyHandlers:
             if n and not (0 <= off and off + n <= peer.pool_nbytes):
                 self._fail(pull, f"region [{off}, {off + n}) outside the peer's {peer.pool_nbytes}-byte pool")
                 return
+        if pull.held:  # watched: P holds it now; D's staging comes with `attach`, P's lease renewed meanwhile
+            pull.state, pull.generation = "staged", msg.generation
+            pull.deadline = time.monotonic() + 2 * self.config.timeout_s  # the caller's own wait ends first
+            with self._ev_lock:
+                self._staged.append(pull.req_id)
+            return
         pull.state, pull.generation = "transferring", msg.generation
         ready = self._ready(pull, msg)
         if ready is not None:  # layer-wise publish: read what is ready, ask again for the rest

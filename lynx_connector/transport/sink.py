@@ -78,6 +78,7 @@ class TransferSink(ReplyHandlers, ControlTimers):
         self._waker = Waker(self._ctx)
         self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._events: list[TransferEvent] = []
+        self._staged: list[str] = []  # watched pulls P has staged, not yet taken by `staged()`
         self._sched_events: list[TransferEvent] = []  # service-thread only
         self._ev_lock = threading.Lock()
         self._active: set[str] = set()  # pulled and not yet forgotten (caller-side duplicate check)
@@ -120,6 +121,54 @@ class TransferSink(ReplyHandlers, ControlTimers):
         request" means "not yet" for this long, which is then the pull's deadline instead of ``timeout_s``.
         ``order``: how the request's output depends on its planes, which ranks its streams against other
         requests' (``transport/ranking.py``; the transfer mode's ``pull_order``)."""
+        a = (self.pool.base_addr + self.pool.offset_of(anchor_out), int(anchor_out.numel()))
+        if a[1] == 0:
+            raise ValueError("anchor_out is empty")
+        r = None
+        if residual_out is not None and residual_out.numel() > 0:
+            r = (self.pool.base_addr + self.pool.offset_of(residual_out), int(residual_out.numel()))
+        self._enqueue(req_id, host, port, transfer_id, token, a, r, wait_s, order, held=False)
+
+    def watch(
+        self,
+        req_id: str,
+        host: str,
+        port: int,
+        transfer_id: str,
+        token: str,
+        anchor_nbytes: int,
+        residual_nbytes: int,
+        wait_s: float | None = None,
+        order: PullOrder = SPLIT,
+    ) -> None:
+        """Like `pull`, before D has staging for it: ask P until P has staged the request (answers its regions),
+        then report the request in `staged()` and hold it, P's lease renewed, until `attach` gives it D's
+        views (the transfer starts then). The concurrent flow uses it: D's staging is then held only by requests
+        P holds too, so a burst larger than both pools drains in order instead of filling both with requests
+        waiting on each other. Without `attach` within ``timeout_s`` of being staged the pull fails."""
+        if anchor_nbytes <= 0 or residual_nbytes < 0:
+            raise ValueError(f"bad plane sizes {anchor_nbytes!r}/{residual_nbytes!r}")
+        r = (0, int(residual_nbytes)) if residual_nbytes else None
+        self._enqueue(req_id, host, port, transfer_id, token, (0, int(anchor_nbytes)), r, wait_s, order, held=True)
+
+    def attach(self, req_id: str, anchor_out: torch.Tensor, residual_out: torch.Tensor | None) -> None:
+        """Give a watched request that P has staged (`staged()`) its views of `self.pool` and start its
+        transfer; their sizes must be those given to `watch`. A pull that failed meanwhile has already had its
+        failed events: attaching it does nothing (the caller frees its views as for any failed pull)."""
+        a = (self.pool.base_addr + self.pool.offset_of(anchor_out), int(anchor_out.numel()))
+        r = None
+        if residual_out is not None and residual_out.numel() > 0:
+            r = (self.pool.base_addr + self.pool.offset_of(residual_out), int(residual_out.numel()))
+        self._cmd(("attach", req_id, (a, r)))
+
+    def staged(self) -> list[str]:
+        """Watched requests P has staged since the last call (each reported once), in the order P staged them."""
+        with self._ev_lock:
+            out, self._staged = self._staged, []
+        return out
+
+    def _enqueue(self, req_id: str, host: str, port: int, transfer_id: str, token: str, a: tuple[int, int],
+                 r: tuple[int, int] | None, wait_s: float | None, order: PullOrder, held: bool) -> None:
         if order not in PULL_ORDERS:
             raise ValueError(f"order must be one of {', '.join(PULL_ORDERS)}, got {order!r}")
         if not isinstance(req_id, str) or not 0 < len(req_id) <= proto.MAX_ID:
@@ -129,22 +178,16 @@ class TransferSink(ReplyHandlers, ControlTimers):
                 raise ValueError(f"{what} must be {proto.HEX_ID_LEN} lower-case hex characters")
         if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
             raise ValueError(f"bad peer address {host!r}:{port!r}")
-        a = (self.pool.base_addr + self.pool.offset_of(anchor_out), int(anchor_out.numel()))
-        if a[1] == 0:
-            raise ValueError("anchor_out is empty")
-        r = None
-        if residual_out is not None and residual_out.numel() > 0:
-            r = (self.pool.base_addr + self.pool.offset_of(residual_out), int(residual_out.numel()))
+        if wait_s is not None and not wait_s > 0:
+            raise ValueError(f"wait_s must be > 0, got {wait_s!r}")
         with self._ev_lock:
             if req_id in self._active:
                 raise ValueError(f"request {req_id!r} is already being pulled")
             self._active.add(req_id)
-        if wait_s is not None and not wait_s > 0:
-            raise ValueError(f"wait_s must be > 0, got {wait_s!r}")
         now = time.monotonic()
         self._cmd(("pull", PullState(req_id, (host, port), transfer_id, token, a, r, now,
                                      now + (self.config.timeout_s if wait_s is None else wait_s),
-                                     early=wait_s is not None, order=order)))
+                                     early=wait_s is not None, order=order, held=held)))
 
     def poll(self) -> list[TransferEvent]:
         """Events since the last poll."""
@@ -234,7 +277,7 @@ class TransferSink(ReplyHandlers, ControlTimers):
         # split anchors known to be coming (regions still being queried) go before every other stream, briefly
         self._sched.hold_until = max(
             (p.t0 + self.config.anchor_holdoff_s for p in self._pulls.values()
-             if p.state != "transferring" and p.order == SPLIT),
+             if p.state != "transferring" and not p.held and p.order == SPLIT),
             default=0.0,
         )
         wait = self._sched.step()
@@ -272,6 +315,8 @@ class TransferSink(ReplyHandlers, ControlTimers):
                 self._start_pull(cmd[1])
             elif kind == "discard":
                 self._owe_done(cmd[1], cmd[2], connect=True)
+            elif kind == "attach":
+                self._attach(cmd[1], *cmd[2])
             else:
                 pull = self._pulls.pop(cmd[1], None)
                 if pull is not None:
@@ -291,6 +336,23 @@ class TransferSink(ReplyHandlers, ControlTimers):
             peer = self._connect(pull.addr)
         if peer.state == "ready":
             self._query(pull)
+
+    def _attach(self, req_id: str, a: tuple[int, int], r: tuple[int, int] | None) -> None:
+        pull = self._pulls.get(req_id)
+        if pull is None or not pull.held:
+            return  # failed (or aborted) meanwhile: its events are out
+        want = (pull.anchor[1], None if pull.residual is None else pull.residual[1])
+        if (a[1], None if r is None else r[1]) != want:
+            self._fail(pull, f"attach: views of {a[1]}/{0 if r is None else r[1]} bytes for {req_id!r}, watched "
+                       f"{want[0]}/{want[1] or 0}")
+            return
+        pull.anchor, pull.residual, pull.held = a, r, False
+        pull.deadline = time.monotonic() + self.config.timeout_s
+        peer = self._peers.get(pull.addr)
+        if peer is not None and peer.state == "ready":
+            self._query(pull)  # P's regions again (more may be ready now): the transfer starts on the answer
+        else:
+            pull.state = "wait_peer"  # queried once the (re)handshake is answered
 
     def _connect(self, addr: Addr) -> PeerLink:
         peer = PeerLink(self._ctx, self._poller, addr, self._max_in, self.config.key)

@@ -54,6 +54,13 @@ class ControlTimers:
                     if nxt is not None:
                         timers.append(nxt)
                 continue
+            if pull.state == "staged":  # P holds it; D waits for its own staging (KeepAlives renew the lease)
+                if now >= pull.deadline:
+                    self._fail(pull, f"transfer {pull.transfer_id[:8]}… of {pull.req_id!r} was staged by P but "
+                               f"never given D's staging (attach) within {2 * cfg.timeout_s:g}s")
+                else:
+                    timers.append(pull.deadline)
+                continue
             if now >= pull.deadline:
                 self._expire(pull)
                 continue
@@ -98,7 +105,7 @@ class ControlTimers:
     def _keep_alive(self, peer: PeerLink, now: float) -> float | None:
         """Renew P's lease of the requests being read from ``peer`` every quarter of it (their Query renewed it
         when the transfer started); returns when the next KeepAlive is due, None when none is."""
-        pulling = [p for p in self._pulls_of(peer) if p.state == "transferring"]
+        pulling = [p for p in self._pulls_of(peer) if p.state in ("transferring", "staged")]
         if not pulling or peer.state != "ready" or peer.lease_s <= 0:
             peer.keepalive_at = 0.0
             return None

@@ -122,3 +122,100 @@ def test_partial_publish_is_bounded_by_the_regions(pair) -> None:
         src.publish_partial("p", A + 1, 0)
     with pytest.raises(KeyError):
         src.publish_partial("nope", 0, 0)
+
+
+def test_watched_pull_takes_d_staging_only_once_p_has_staged_it(pair) -> None:
+    """Concurrent flow: D watches a request P does not have yet; it is reported staged once P answers its regions,
+    and nothing is read before D attaches its own staging."""
+    src, sink = pair
+    tid, token = "ab" * 16, "cd" * 16
+    sink.watch("d", *src.address, tid, token, A, R, wait_s=5.0)
+    time.sleep(0.2)
+    assert sink.staged() == [] and sink.poll() == []
+    st = src.alloc("p", A, R, transfer_id=tid, token=token)
+    want_a = torch.randint(0, 256, (A,), dtype=torch.uint8)
+    want_r = torch.randint(0, 256, (R,), dtype=torch.uint8)
+    st.anchor[_layer(A, 0)] = want_a[_layer(A, 0)]
+    st.residual[_layer(R, 0)] = want_r[_layer(R, 0)]
+    src.publish_partial("p", _layer(A, 0).stop, _layer(R, 0).stop)
+    wait_for(lambda: "d" in sink._staged)
+    assert sink.staged() == ["d"] and sink.staged() == []  # reported once
+    time.sleep(0.1)
+    assert sink.post_log == [] and sink.poll() == []  # no staging of D's: nothing read yet
+    loc = sink.pool.alloc_request("d", A, R)
+    sink.attach("d", loc.anchor, loc.residual)
+    for i in range(1, LAYERS):
+        st.anchor[_layer(A, i)] = want_a[_layer(A, i)]
+        st.residual[_layer(R, i)] = want_r[_layer(R, i)]
+        if i < LAYERS - 1:
+            src.publish_partial("p", _layer(A, i).stop, _layer(R, i).stop)
+        else:
+            src.publish("p")
+        time.sleep(0.02)
+    evs = collect(sink, 2)
+    assert all(e.ok for e in evs), evs
+    assert torch.equal(loc.anchor, want_a) and torch.equal(loc.residual, want_r)
+    wait_for(lambda: src.stats()["requests_live"] == 0)
+    sink.pool.free_request("d")
+    assert sink.stats()["pulls_live"] == 0
+
+
+def test_staged_pull_keeps_p_lease_until_attached(fabric: FakeFabric) -> None:
+    cfg = TransportConfig(pool_bytes=1 << 22, chunk_bytes=16 << 10, timeout_s=3.0, lease_s=0.6, retry_s=0.005,
+                          pipeline_poll_s=0.005, key=TEST_KEY)
+    src = TransferSource(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
+    sink = TransferSink(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "D"))
+    try:
+        st = src.alloc("p", A, 0)
+        st.anchor.fill_(7)
+        src.publish("p")
+        sink.watch("d", *src.address, *src.ticket("p"), A, 0)
+        wait_for(lambda: "d" in sink._staged)
+        time.sleep(1.5)  # 2.5 leases: without KeepAlives P would have freed it
+        assert src.stats()["requests_live"] == 1
+        loc = sink.pool.alloc_request("d", A, 0)
+        sink.attach("d", loc.anchor, None)
+        evs = collect(sink, 1)
+        assert evs[0].ok and int(loc.anchor.min()) == 7 == int(loc.anchor.max())
+        wait_for(lambda: src.stats()["requests_live"] == 0)
+        sink.pool.free_request("d")
+    finally:
+        sink.close()
+        src.close()
+
+
+def test_staged_pull_never_attached_fails_and_frees_p(pair) -> None:
+    src, sink = pair  # timeout_s 1.5: a staged pull waits 2 x timeout_s for D's staging
+    src.alloc("p", A, R)
+    src.publish("p")
+    sink.watch("d", *src.address, *src.ticket("p"), A, R)
+    evs = collect(sink, 2, timeout=6.0)
+    assert not any(e.ok for e in evs) and "never given D's staging" in evs[0].error
+    assert sink.staged() == ["d"]
+    wait_for(lambda: src.stats()["requests_live"] == 0)
+    assert sink.stats()["pulls_live"] == 0 and sink.pool.regions_live == 0
+
+
+def test_attach_with_other_sizes_fails_the_pull(pair) -> None:
+    src, sink = pair
+    src.alloc("p", A, R)
+    src.publish("p")
+    sink.watch("d", *src.address, *src.ticket("p"), A, R)
+    wait_for(lambda: "d" in sink._staged)
+    loc = sink.pool.alloc_request("d", A, 0)
+    sink.attach("d", loc.anchor, None)
+    evs = collect(sink, 2)
+    assert not any(e.ok for e in evs) and "attach" in evs[0].error
+    wait_for(lambda: src.stats()["requests_live"] == 0)
+    sink.pool.free_request("d")
+
+
+def test_aborting_a_staged_pull_frees_p(pair) -> None:
+    src, sink = pair
+    src.alloc("p", A, R)
+    src.publish("p")
+    sink.watch("d", *src.address, *src.ticket("p"), A, R)
+    wait_for(lambda: "d" in sink._staged)
+    sink.abort("d")
+    wait_for(lambda: src.stats()["requests_live"] == 0)
+    assert sink.poll() == [] and sink.stats()["pulls_live"] == 0
