@@ -7,7 +7,8 @@ into the request's blocks: mode ``anchor`` (and the single-stream baselines) wri
 reports the request ready, and merges the residual in place later (signalled through worker metadata:
 ``residual_merged``, or ``residual_failed`` when the residual cannot arrive any more; a residual that fails in
 the very step its anchor is reported turns into an ordinary ``failed_recving``). A pull that finds no room in
-D's staging waits in arrival order until its deadline.
+D's staging waits in arrival order until its deadline. A pull of the concurrent flow (P may not have the request
+yet) takes D's staging only once P has staged it (`TransferSink.watch` / `attach`): it joins that queue then.
 Integrity (issue 14.4): D verifies every layer of a plane as soon as the plane lands (its checksum, seeded with
 P's transfer id and the staging's generation, and the anchor's metadata finite) before anything of it is
 decoded: a mismatch fails only that request, by the same path as a failed stream.
@@ -52,7 +53,7 @@ __all__ = ["ReceiveHalf"]
 @dataclass
 class _Recv:
     spec: RecvSpec
-    staged: Any  # the sink's staging handle: .anchor / .residual uint8 views
+    staged: Any  # the sink's staging handle: .anchor / .residual uint8 views (None: watched, not staged yet)
     t_start: float
     anchor_landed: bool = False
     residual_landed: bool = False
@@ -115,10 +116,37 @@ class ReceiveHalf:
                          "(staging_mb=%d)", spec.req_id, need, self.sink.pool.nbytes >> 20)
             self._fail_unstarted(spec)
             return
+        if spec.concurrent:  # P may not have it yet: D's staging is taken only once P has staged it (`_watch`)
+            return self._watch(spec, hooks)
         if self._recv_waiting or not self._begin_pull(spec, hooks):  # FIFO behind requests already waiting
             self._recv_waiting[spec.req_id] = (spec, hooks, time.monotonic() + self.config.timeout_s)
             logger.info("LynxConnector: D's staging full, request %s waits for room (%d waiting)", spec.req_id,
                         len(self._recv_waiting))
+
+    def _watch(self, spec: RecvSpec, hooks: dict[str, Any]) -> None:
+        """Concurrent flow: ask P for the request without D's staging (`TransferSink.watch`); once P reports it
+        staged (`_take_staged`) it queues for D's staging like any other pull. Staging held by requests P has not
+        even started would else fill D's pool during a burst while P's pool fills with requests waiting for D."""
+        assert self.sink is not None
+        rec = _Recv(spec=spec, staged=None, t_start=time.perf_counter())
+        self._recvs[spec.req_id] = rec
+        self._faults.track(spec.req_id, hooks)
+        a, r = self._pull_layout(spec).nbytes
+        try:
+            self.sink.watch(spec.req_id, spec.remote_host, spec.port_for_rank(self.tp_rank), spec.transfer_id,
+                            spec.token, a, r, wait_s=self.config.concurrent_wait_s,
+                            order=get_mode(spec.mode).pull_order)
+        except ValueError as exc:
+            self._finish_recv(rec, error=f"cannot pull: {exc}")
+
+    def _take_staged(self) -> None:
+        """Watched requests P has staged join the queue for D's staging (in the order P staged them)."""
+        assert self.sink is not None
+        deadline = time.monotonic() + self.config.timeout_s
+        for req_id in self.sink.staged():
+            rec = self._recvs.get(req_id)
+            if rec is not None and rec.staged is None and req_id not in self._recv_waiting:
+                self._recv_waiting[req_id] = (rec.spec, {}, deadline)
 
     def _retry_waiting_recvs(self) -> None:
         """Start the pulls that waited for D's staging while they fit, oldest first; fail those past timeout_s."""
@@ -132,8 +160,13 @@ class ReceiveHalf:
             if now < deadline:
                 return
             del self._recv_waiting[req_id]
-            logger.error("LynxConnector: request %s found no room in D's staging pool (staging_mb=%d) within "
-                         "%.1fs", req_id, self.sink.pool.nbytes >> 20, self.config.timeout_s)
+            msg = (f"found no room in D's staging pool (staging_mb={self.sink.pool.nbytes >> 20}) within "
+                   f"{self.config.timeout_s:.1f}s")
+            if (rec := self._recvs.get(req_id)) is not None:  # watched: the sink holds P's lease of it
+                self.stats.record_failure("stage")
+                self._finish_recv(rec, error=msg, outcome="unstaged")
+                continue
+            logger.error("LynxConnector: request %s %s", req_id, msg)
             self._fail_unstarted(spec)
 
     def _discard(self, spec: RecvSpec) -> None:
@@ -163,6 +196,10 @@ class ReceiveHalf:
             staged = self.sink.pool.alloc_request(spec.req_id, a, r)
         except StagingFullError:
             return False  # room comes back as other pulls finish (it fits the pool: checked on arrival)
+        if (held := self._recvs.get(spec.req_id)) is not None:  # watched, staged by P: its transfer starts now
+            held.staged = staged
+            self.sink.attach(spec.req_id, staged.anchor, staged.residual if r else None)
+            return True
         rec = _Recv(spec=spec, staged=staged, t_start=time.perf_counter())
         self._recvs[spec.req_id] = rec
         self._faults.track(spec.req_id, hooks)
@@ -229,6 +266,7 @@ class ReceiveHalf:
             rec = self._recvs.get(req_id)
             if rec is not None:
                 self._apply(rec, full=True)
+        self._take_staged()
         for ev in self.sink.poll():
             rec = self._recvs.get(ev.req_id)
             if rec is None:
@@ -284,13 +322,18 @@ class ReceiveHalf:
         """Single exit for a pull: frees D's staging, tells P to free its own, reports once.
 
         ``outcome`` matters only with an error: "failed" (the failure policy applies), "aborted" (the request
-        is finished: report it so vLLM frees its blocks now) or "cancelled" (preempted: no report at all)."""
+        is finished: report it so vLLM frees its blocks now), "cancelled" (preempted: no report at all) or
+        "unstaged" (a watched request that never got D's staging: failed, counted by the caller as "stage")."""
         assert self.sink is not None
         req_id = rec.spec.req_id
         self._recvs.pop(req_id, None)
+        self._recv_waiting.pop(req_id, None)
         self._faults.forget(req_id)
         if error is not None:
-            if outcome == "failed":
+            if outcome == "unstaged":
+                logger.error("LynxConnector: request %s %s", req_id, error)
+                outcome = "failed"
+            elif outcome == "failed":
                 logger.error("LynxConnector: KV load for request %s failed: %s", req_id, error)
                 self.stats.record_failure("integrity" if error.startswith("integrity check failed") else "load")
             else:

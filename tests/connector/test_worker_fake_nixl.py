@@ -516,3 +516,49 @@ def test_the_modes_pull_order_reaches_the_sink_and_p_reports_the_link(pair, monk
     assert meta is not None and meta.p_link is not None
     rate, queued, encode_s = meta.p_link
     assert rate > 0 and queued == 0 and encode_s > 0  # both Lynx encodes measured
+
+
+def test_concurrent_flow_takes_d_staging_only_once_p_staged_the_request(pair):
+    """Issue 15 concurrent flow: D learns of requests before P has them; it holds no staging for them until P
+    has staged each (a burst larger than D's pool would else fill it with requests P has not started, while
+    P's pool fills with requests waiting for D), then serves them in the order P staged them."""
+    make, _ = pair
+    (p, p_caches), (d, d_caches) = make("kv_producer"), make("kv_consumer")
+    tickets = {f"p{i}": mint_ticket() for i in (1, 2)}
+    specs = [dataclasses.replace(recv_spec(p, "full", req=f"d{i}", remote=f"p{i}"), transfer_id=tickets[f"p{i}"][0],
+                                 token=tickets[f"p{i}"][1], concurrent=True) for i in (1, 2)]
+    need = sum(d._pull_layout(specs[0]).nbytes)
+    d_fill = d.sink.pool.alloc_request("filler", d.sink.pool.nbytes - need - need // 2, 0)  # room for one
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=specs))
+    for _ in range(20):
+        d.poll()
+        time.sleep(0.01)
+    assert set(d._recvs) == {"d1", "d2"} and d.sink.pool.regions_live == 1  # the filler only: nothing held
+    assert d.take_results() == (set(), set())
+    done: set[str] = set()
+    for i in (2, 1):  # P stages p2 first: D serves it while d1 still holds nothing
+        tid, tok = tickets[f"p{i}"]
+        p.save(LynxConnectorMetadata(reqs_to_save=[SaveSpec(req_id=f"p{i}", block_ids=P_BLOCKS, num_tokens=N,
+                                                             mode="full", transfer_id=tid, token=tok)]))
+        poll_until([p, d], lambda i=i: done.update(d.take_results()[0]) or f"d{i}" in done)
+        assert done == ({"d2"} if i == 2 else {"d1", "d2"})
+        assert d.sink.pool.regions_live == 1  # the filler again
+    want = expected(p_caches, "full", full=True)
+    assert all(torch.equal(d_caches[n], want[n]) for n in d_caches)
+    del d_fill
+    d.sink.pool.free_request("filler")
+    assert_staging_freed(p, d)
+
+
+def test_concurrent_flow_request_aborted_before_p_staged_it_frees_both_sides(pair):
+    make, _ = pair
+    (p, _), (d, _) = make("kv_producer"), make("kv_consumer")
+    tid, tok = mint_ticket()
+    spec = dataclasses.replace(recv_spec(p, "full", remote="p1"), transfer_id=tid, token=tok, concurrent=True)
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[spec]))
+    d.poll()
+    d.start_load(LynxConnectorMetadata(recv_aborted={"d1"}))
+    assert d.take_results()[0] == {"d1"}  # vLLM frees its blocks now
+    p.save(LynxConnectorMetadata(reqs_to_save=[SaveSpec(req_id="p1", block_ids=P_BLOCKS, num_tokens=N,
+                                                         mode="full", transfer_id=tid, token=tok)]))
+    assert_staging_freed(p, d)  # P's staging freed by D's Done (owed until P has the request), not its lease
