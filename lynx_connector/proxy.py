@@ -8,7 +8,7 @@ Per request (``/v1/completions`` and ``/v1/chat/completions``, streaming or not)
 3. send the original request to a decode server with those params, and return D's response unchanged (SSE bytes
    passed through as they arrive).
 
-The pipelined flow (``--flow pipelined``: opt-in, it needs the deployment key) sends the request
+The pipelined flow (the default, ``--flow pipelined``; it needs the deployment key) sends the request
 to P and D at once, with a transfer id and token the proxy mints and signs (``lynx_connector/proxy_flow.py``):
 D pulls each layer as soon as P has encoded it. The first request to each P goes the sequential way (P's answer
 names its side channel), as does a request P fans out (``n`` > 1).
@@ -107,7 +107,7 @@ class ProxyConfig:
     queue_timeout_s: float = 120.0
     request_timeout_s: float = 1800.0  # a whole request: queue, P, D and the stream
     max_body_bytes: int = 4 << 20
-    flow: str = "sequential"  # or "pipelined" (lynx_connector/proxy_flow.py; opt-in, see its docstring)
+    flow: str = "pipelined"  # or "sequential" (lynx_connector/proxy_flow.py)
     insecure_side_channel: bool = False  # sign the pipelined flow's params with the empty key (no deployment key)
     params_ttl_s: float = 300.0  # how long the params the proxy signs stay valid (P may queue the request)
 

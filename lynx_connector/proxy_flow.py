@@ -1,8 +1,7 @@
 """The proxy's pipelined flow (issue 15.3, docs/PROTOCOL.md section 6): a request goes to P and D at once.
 
-``lynx proxy --flow pipelined`` (opt-in; the default is ``sequential``) sends a request to its prefill and decode
-servers concurrently,
-so D allocates the request's blocks and is ready to pull while P still computes the prompt; P publishes each
+``lynx proxy`` (``--flow pipelined``, the default; ``--flow sequential`` turns it off) sends a request to its
+prefill and decode servers concurrently, so D allocates the request's blocks and is ready to pull while P still computes the prompt; P publishes each
 layer as soon as it is encoded (``layerwise``), and D reads it at once. The sequential flow (P answers, then D
 is asked) stays what vLLM's router and NixlConnector speak, and what the proxy uses when the pipelined one
 cannot apply:
@@ -20,11 +19,10 @@ pull fails (no layer for ``timeout_s``, or nothing published within ``concurrent
 ``kv_load_failure_policy`` decides (recompute: D answers; fail: D's error is relayed). D failing, or the client
 leaving, cancels the call to P (P aborts the request and frees its staging). Nothing is left behind on either side.
 
-Why it is not the default yet: D allocates a request's staging when its pull starts, i.e. at once in this flow,
-and holds it while P queues and prefills. A burst larger than the staging pools then fills D's pool with pulls
-waiting for P while P's pool holds requests waiting for D's room: both sides give up (``staging_full``) instead of
-draining in order as the sequential flow does (tests/integration/test_load_recovery.py). D must allocate its
-staging only once P answers with regions before this flow can be the default.
+Bursts: D takes its staging for a request only once P has staged it (``TransferSink.watch`` / ``attach``), so
+D's pool holds only requests P holds too, and a burst larger than both pools drains in order as in the sequential
+flow (tests/integration/test_load_recovery.py) instead of filling D's pool with pulls waiting for P while P's
+pool waits for D's room.
 """
 
 from __future__ import annotations

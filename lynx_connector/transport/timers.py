@@ -61,9 +61,12 @@ class ControlTimers:
                 else:
                     timers.append(pull.deadline)
                 continue
-            if now >= pull.deadline:
+            silent_until = self._silence_bound(pull)
+            if now >= pull.deadline or (silent_until is not None and now >= silent_until):
                 self._expire(pull)
                 continue
+            if silent_until is not None:
+                timers.append(silent_until)
             if pull.retry_at is not None and now >= pull.retry_at:
                 self._query(pull)
             elif pull.sent_at is not None and now - pull.sent_at >= cfg.resend_s:
@@ -143,6 +146,15 @@ class ControlTimers:
         if pull.sent_at is not None:
             times.append(pull.sent_at + cfg.resend_s)
         return min(times)
+
+    def _silence_bound(self, pull: PullState) -> float | None:
+        """A concurrent-flow pull waits up to ``concurrent_wait_s`` while P answers "not yet", but not for a P
+        that answers nothing at all (unreachable, link cut): that fails after ``timeout_s`` of silence, as in the
+        sequential flow. When that bound ends, or None for other pulls."""
+        if not pull.early:
+            return None
+        peer = self._peers.get(pull.addr)
+        return None if peer is None else max(pull.t0, peer.heard_at) + self.config.timeout_s
 
     def _expire(self, pull: PullState) -> None:
         """A pull's own deadline passed before its transfer started: fail it (only it). A peer that never
