@@ -83,6 +83,13 @@ def burst(dep, prompts, n: int) -> list[dict]:
                              range(n)))
 
 
+def proxy_flows(dep) -> dict[str, int]:
+    with urllib.request.urlopen(dep.url + "/lynx/stats", timeout=10) as resp:
+        stats = json.loads(resp.read())
+    assert stats["pipelined_on"], stats
+    return stats["flows"]
+
+
 def assert_idle(dep, timeout: float = 60.0) -> dict:
     from lynx_connector.lab.bench.load import IDLE_KEYS, Sampler
 
@@ -98,10 +105,15 @@ def assert_idle(dep, timeout: float = 60.0) -> dict:
 
 
 def test_burst_larger_than_max_num_seqs_and_staging_is_answered_in_full(dep, prompts):
-    """32 at once: 8x D's max_num_seqs, far more KV than either staging pool holds (mixed modes, 100-600 words)."""
+    """32 at once: 8x D's max_num_seqs, far more KV than either staging pool holds (mixed modes, 100-600 words),
+    through the proxy's default flow (pipelined: D hears of each request at once; the first request to P goes the
+    sequential way, which teaches the proxy P's side channel)."""
+    assert complete(dep.url, dep.model, prompts[0], "full")["ok"]
+    before = proxy_flows(dep)
     results = burst(dep, prompts, 32)
     failed = [r["error"] for r in results if not r["ok"]]
     assert not failed, failed
+    assert proxy_flows(dep)["pipelined"] - before["pipelined"] == 32  # every one of the burst went pipelined
     assert all(len(r["out"]["choices"][0]["text"]) > 0 for r in results)
     assert_idle(dep)
 
