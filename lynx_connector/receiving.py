@@ -226,8 +226,10 @@ class ReceiveHalf:
             layer, byte, bit = flip
             plane.plane(buf, layer % plane.num_layers)[byte % plane.plane_nbytes] ^= 1 << bit
         names = [n for n, _ in self.layers]
+        t0 = time.perf_counter()
         try:
             plane.verify_all(buf, staging_id(spec.transfer_id, generation), names)
+            self.stats.record_security("d", "checksum", time.perf_counter() - t0)
             if stream == "anchor":
                 codec = self._codec(spec.mode)
                 for i, name in enumerate(names):

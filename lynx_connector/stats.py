@@ -34,6 +34,9 @@ SIDE_CHANNEL_EVENTS = {
           "replies_dropped", "freed_lease", "keepalive_gone", "logs_suppressed"),
     "d": ("bad_mac", "replayed", "sessions_lost", "reconnects", "resent", "lease_lost"),
 }
+#: What the security seconds measure (``vllm:lynx_security_seconds{side, what}``): the per-layer checksums P
+#: computes and D verifies, and the side channel's MACs (its service threads).
+SECURITY_COSTS = ("checksum", "mac")
 #: Staging gauges per side and worker: ``vllm:lynx_staging_bytes{side, rank, state}``.
 STAGING_STATES = ("capacity", "used", "quarantined")
 
@@ -44,6 +47,7 @@ def _empty() -> dict[str, Any]:
     data["events"] = []  # [side, event, increment]
     data["auto"] = []  # [chosen mode, reason] per auto choice (P's scheduler half)
     data["gauges"] = []  # [side, rank, state, bytes]
+    data["security"] = []  # [side, what, seconds]
     return data
 
 
@@ -65,6 +69,10 @@ class LynxStats(KVConnectorStats):
         self.data["encode_anchor_bytes"].append(int(anchor_bytes))
         self.data["encode_residual_bytes"].append(int(residual_bytes))
         self.data["encode_s"].append(float(seconds))
+
+    def record_security(self, side: str, what: str, seconds: float) -> None:
+        """Seconds spent on integrity/authentication (``what`` of `SECURITY_COSTS`) on side "p" or "d"."""
+        self.data["security"].append([side, what, float(seconds)])
 
     def record_failure(self, reason: str) -> None:
         """One failed request, by a reason of `FAILURE_REASONS`."""
@@ -98,11 +106,11 @@ class LynxStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data[k] for k in (*_LIST_KEYS, "events", "gauges", "auto")) and not any(
+        return not any(self.data[k] for k in (*_LIST_KEYS, "events", "gauges", "auto", "security")) and not any(
             self.data[k] for k in _COUNT_KEYS + _REFUSED_KEYS)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for k in (*_LIST_KEYS, "events", "gauges", "auto"):
+        for k in (*_LIST_KEYS, "events", "gauges", "auto", "security"):
             self.data[k].extend(other.data.get(k, []))
         for k in _COUNT_KEYS + _REFUSED_KEYS:
             self.data[k] += int(other.data.get(k, 0))
@@ -187,6 +195,11 @@ class LynxPromMetrics(KVConnectorPromMetrics):
                                                         "first_token_mismatch (D's first token is not P's).",
                                           labelnames=labelnames + ["reason"])
 
+        self._security = self._counter_cls(name="vllm:lynx_security_seconds",
+                                           documentation="Seconds spent on integrity and authentication per "
+                                                         "side: checksums (P computes, D verifies, per layer "
+                                                         "and plane) and the side channel's MACs.",
+                                           labelnames=labelnames + ["side", "what"])
         self._auto = self._counter_cls(name="vllm:lynx_auto_choices",
                                        documentation="Transfer modes chosen by auto on P, by mode and reason: "
                                                      + ", ".join(AUTO_REASONS) + ".",
@@ -226,6 +239,8 @@ class LynxPromMetrics(KVConnectorPromMetrics):
             n = sum(transfer_stats_data.get(f"spec_stop_{reason}", []))
             if n:
                 self._stopped.labels(*labels, reason).inc(n)
+        for side, what, seconds in transfer_stats_data.get("security", []):
+            self._security.labels(*labels, side, what).inc(seconds)
         for mode, reason in transfer_stats_data.get("auto", []):
             self._auto.labels(*labels, mode, reason).inc()
         for reason in REFUSAL_REASONS:
@@ -243,6 +258,7 @@ class TransportExporter:
         self._next = 0.0
         self._last_counts: dict[tuple[str, str], int] = {}
         self._last_gauges: dict[tuple[str, str], int] = {}
+        self._last_mac: dict[str, float] = {}
 
     def maybe_export(self, stats: LynxStats, endpoints: dict[str, Any]) -> None:
         """``endpoints``: {"p": TransferSource or None, "d": TransferSink or None}."""
@@ -259,6 +275,10 @@ class TransportExporter:
                 if n > last:
                     stats.data["events"].append([side, event, n - last])
                 self._last_counts[side, event] = n
+            mac, last_mac = float(st.get("mac_s", 0.0)), self._last_mac.get(side, 0.0)
+            if mac > last_mac:
+                stats.data["security"].append([side, "mac", mac - last_mac])
+            self._last_mac[side] = mac
             pool = end.pool
             for state, value in zip(STAGING_STATES, (pool.nbytes, pool.bytes_allocated, pool.quarantined_bytes),
                                     strict=True):

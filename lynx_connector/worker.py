@@ -239,7 +239,9 @@ class LynxConnectorWorker(ReceiveHalf):
         t0 = time.perf_counter()
         encode(job.codec, kv, job.spec.block_ids, self.layout, job.spec.num_tokens, job.anchor_plane(i),
                job.residual_plane(i), layer_name=name)
+        t_seal = time.perf_counter()
         job.seal(i)  # checksums right after the layer is encoded
+        self.stats.record_security("p", "checksum", time.perf_counter() - t_seal)
         if job.codec.name == LYNX_CODEC and job.spec.num_tokens:  # auto's estimate of the Lynx codec's cost
             self._lynx_encode_s.append((time.perf_counter() - t0) * len(self.layers) / job.spec.num_tokens)
 

@@ -88,6 +88,7 @@ class TransferSink(ReplyHandlers, ControlTimers):
         self._poller.register(self._waker.receiver, zmq.POLLIN)
         self._sched = TransferScheduler(self._nixl, config, self._on_event, record_posts=record_posts)
         self.cpu_s = 0.0
+        self.mac_s = 0.0  # of the service thread: side-channel MACs (proto.mac_seconds)
         self._resent = 0  # Hello/Query messages sent again for want of an answer
         self._courier = DoneCourier(config.resend_s, config.lease_s)
         self._reconnects = 0
@@ -219,6 +220,7 @@ class TransferSink(ReplyHandlers, ControlTimers):
     def stats(self) -> dict[str, Any]:
         return {
             "cpu_s": self.cpu_s,
+            "mac_s": self.mac_s,
             "resent": self._resent,
             "dones_owed": len(self._courier),
             "reconnects": self._reconnects,
@@ -271,6 +273,7 @@ class TransferSink(ReplyHandlers, ControlTimers):
                 logger.exception("lynx sink: service loop error (continuing)")
                 time.sleep(0.01)
             self.cpu_s = time.thread_time() - t_cpu
+            self.mac_s = proto.mac_seconds()
 
     def _serve_once(self) -> None:
         self._run_commands()

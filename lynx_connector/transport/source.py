@@ -121,6 +121,7 @@ class TransferSource(SourceAnswers, SideChannelServer):
         self._waker = Waker(self._ctx)
         self._stop = False
         self.cpu_s = 0.0
+        self.mac_s = 0.0  # of the service thread: side-channel MACs (proto.mac_seconds)
         self._status = StatusWriter(config.status_path,
                                     lambda: {"source": self.stats(), **(status_extra() if status_extra else {})})
         self._thread = threading.Thread(target=self._serve, name="lynx-source", daemon=True)
@@ -303,6 +304,7 @@ class TransferSource(SourceAnswers, SideChannelServer):
             "regions_live": self.pool.regions_live,
             "requests_live": live,
             "cpu_s": self.cpu_s,
+            "mac_s": self.mac_s,
             **self.counters,
             "sessions": len(self._sessions),
             "logs_suppressed": self._log.suppressed,
@@ -361,6 +363,7 @@ class TransferSource(SourceAnswers, SideChannelServer):
             if self.config.target_progress_s > 0 and self._has_published():
                 self._pump_nixl()
             self.cpu_s = time.thread_time() - t_cpu
+            self.mac_s = proto.mac_seconds()
             self._status.maybe_write()
 
     def _has_published(self) -> bool:

@@ -76,6 +76,13 @@ def test_summarize_cell_and_equality() -> None:
     assert row["ttft_s_median"] == 1.5 and row["acceptance"] == pytest.approx(0.9)
     assert (row["stopped_low_margin"], row["first_token_mismatch"]) == (2, 0)
     assert row["wire_bytes_measured"] == 2_500_000 and row["ttft_vs_ideal"] > 0
+    assert row["security_s"] == 0.0  # no security counters in this delta
+    sec = {"sec_p_checksum": 0.004, "sec_d_checksum": 0.002, "sec_d_mac": 0.0005, "sec_p_mac": 0.0005}
+    costly = e2e.summarize_cell(reqs, "speculative", 1024, 1, 0.1, "r", 0.5, SHAPE, {**delta, **sec})
+    assert costly["security_s"] == pytest.approx(0.0035)  # per request: the cell's seconds / 2 requests
+    assert costly["security_vs_ttft"] == pytest.approx(0.0035 / 1.5)
+    assert e2e.merge_p_delta({"sec_p_mac": 9.0, "anchor_bytes": 1.0}, {"sec_p_mac": 2.0, "anchor_bytes": 5.0}) == {
+        "sec_p_mac": 2.0, "anchor_bytes": 1.0}  # P's security seconds from P, the rest from D
     full = [_req("full", 1.0, 1, "x"), _req("full", 2.0, 2, "z")]
     everything = reqs + full
     e2e.mark_output_equality(everything)

@@ -85,3 +85,29 @@ def test_auto_choices_are_counted_by_mode_and_reason() -> None:
     text = generate_latest(registry).decode()
     assert 'vllm:lynx_auto_choices_total{engine="0",mode="speculative",model_name="m",reason="slow_link"} 2.0' in text
     assert 'vllm:lynx_auto_choices_total{engine="0",mode="bf16",model_name="m",reason="fast_link"} 1.0' in text
+
+
+def test_security_seconds_are_exported_per_side_and_cost() -> None:
+    """Issue 14's cost: checksum seconds recorded by the workers, MAC seconds of the transport threads (exported
+    as increments of their running totals), one Prometheus counter by side and what."""
+    class End:  # the part of a transport endpoint the exporter reads
+        def __init__(self) -> None:
+            self.mac = 0.0
+            self.pool = SimpleNamespace(nbytes=1, bytes_allocated=0, quarantined_bytes=0)
+
+        def stats(self) -> dict:
+            return {"mac_s": self.mac}
+
+    end, exp, stats = End(), TransportExporter(interval_s=0.0), LynxStats()
+    end.mac = 0.25
+    exp.maybe_export(stats, {"p": None, "d": end})
+    end.mac = 0.5
+    exp.maybe_export(stats, {"p": None, "d": end})
+    exp.maybe_export(stats, {"p": None, "d": end})  # unchanged: nothing more
+    stats.record_security("p", "checksum", 0.125)
+    assert stats.data["security"] == [["d", "mac", 0.25], ["d", "mac", 0.25], ["p", "checksum", 0.125]]
+    registry = CollectorRegistry()
+    _prom(registry).observe(stats.data)
+    text = generate_latest(registry).decode()
+    assert 'vllm:lynx_security_seconds_total{engine="0",model_name="m",side="d",what="mac"} 0.5' in text
+    assert 'vllm:lynx_security_seconds_total{engine="0",model_name="m",side="p",what="checksum"} 0.125' in text

@@ -68,6 +68,7 @@ def test_layers_are_read_as_they_are_published(pair) -> None:
     assert torch.equal(loc.anchor, want_a) and torch.equal(loc.residual, want_r)
     wait_for(lambda: src.stats()["requests_live"] == 0)  # D's done freed P
     sink.pool.free_request("d")
+    wait_for(lambda: src.stats()["mac_s"] > 0 and sink.stats()["mac_s"] > 0)  # the MACs' cost, both service threads
 
 
 def test_concurrent_flow_waits_for_a_request_p_does_not_know_yet(pair) -> None:

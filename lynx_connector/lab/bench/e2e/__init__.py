@@ -16,6 +16,7 @@ from lynx_connector.lab.bench.e2e.measure import (
     equality_by_row,
     mark_output_equality,
     measure_prefill,
+    merge_p_delta,
     run_rate,
     scrape_counters,
     summarize_cell,
@@ -40,7 +41,7 @@ from lynx_connector.lab.bench.e2e.targets import TARGETS, evaluate_targets, rede
 __all__ = [
     "CACHE_DTYPES", "MODES", "TARGETS", "TASKS", "ModelShape", "Plan", "add_parser", "build_prompts",
     "choose_rates", "counter_delta", "detect_speculative", "equality_by_row", "evaluate_targets", "ideal_ttfts",
-    "kv_config", "main", "mark_output_equality", "measure_prefill", "model_shape", "quantile", "rederive_ideals",
+    "kv_config", "main", "mark_output_equality", "measure_prefill", "merge_p_delta", "model_shape", "quantile", "rederive_ideals",
     "ref_bf16_bytes", "run", "run_rate", "scrape_counters", "speculative_serve_args", "start_deployment",
     "summarize_cell", "wire_bytes",
 ]

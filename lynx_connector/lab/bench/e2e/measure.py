@@ -28,6 +28,9 @@ _COUNTERS = {
     "lynx_stop_low_margin": ("vllm:lynx_speculation_stops_total", 'reason="low_margin"'),
     "lynx_stop_mismatch": ("vllm:lynx_speculation_stops_total", 'reason="first_token_mismatch"'),
     "vllm_drafted": ("vllm:spec_decode_num_draft_tokens_total", ""),
+    # the cost of integrity and authentication (issue 14): P's counters are scraped from P (see `security_keys`)
+    **{f"sec_{side}_{what}": ("vllm:lynx_security_seconds_total", f'side="{side}",what="{what}"')
+       for side in ("p", "d") for what in ("checksum", "mac")},
     "vllm_accepted": ("vllm:spec_decode_num_accepted_tokens_total", ""),
 }
 
@@ -55,6 +58,11 @@ def scrape_counters(base_url: str) -> dict[str, float]:
 
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _COUNTERS}
+
+
+def merge_p_delta(delta: dict[str, float], p_delta: dict[str, float]) -> dict[str, float]:
+    """D's counter deltas with P's own security seconds (P's checksums and MACs, scraped from P)."""
+    return {**delta, **{k: v for k, v in p_delta.items() if k.startswith("sec_p_")}}
 
 
 # ---- running requests ----------------------------------------------------------------------------------------
@@ -134,7 +142,7 @@ def run_rate(dep: Any, model: str, label: str, link_gbps: float | None, plan: Pl
             for n in lengths:
                 for flow in plan.flows:  # side by side: the same cell through each flow's proxy
                     url = urls[flow]
-                    before = scrape_counters(dep.decode.url)
+                    before, before_p = scrape_counters(dep.decode.url), scrape_counters(dep.prefill.url)
                     got: list[dict] = []
                     if conc == 1:
                         for pr in prompts[n][: plan.repeats]:
@@ -144,7 +152,8 @@ def run_rate(dep: Any, model: str, label: str, link_gbps: float | None, plan: Pl
                         with ThreadPoolExecutor(max_workers=conc) as pool:
                             got = list(pool.map(lambda pr, m=mode, u=url: one_request(u, model, pr, m,
                                                                                         plan.max_tokens), batch))
-                    delta = counter_delta(before, scrape_counters(dep.decode.url))
+                    delta = merge_p_delta(counter_delta(before, scrape_counters(dep.decode.url)),
+                                          counter_delta(before_p, scrape_counters(dep.prefill.url)))
                     for r in got:
                         r.update(link_gbps=link_gbps, concurrency=conc, rate_label=label, nominal_tokens=n, flow=flow)
                     requests.extend(got)
@@ -197,6 +206,12 @@ def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbp
     row["first_token_on_anchor"] = int(delta.get("lynx_early", 0)) if mode == "speculative" else None
     row["stopped_low_margin"] = int(delta.get("lynx_stop_low_margin", 0)) if mode == "speculative" else None
     row["first_token_mismatch"] = int(delta.get("lynx_stop_mismatch", 0)) if mode == "speculative" else None
+    # issue 14's cost: checksums (P computes, D verifies) and side-channel MACs, P and D, per request; an upper
+    # bound of what they add to TTFT (as if all of it were on the critical path)
+    sec = sum(v for k, v in delta.items() if k.startswith("sec_"))
+    row["security_s"] = sec / len(got) if got else None
+    row["security_vs_ttft"] = (row["security_s"] / row["ttft_s_median"]
+                               if row["security_s"] is not None and row["ttft_s_median"] else None)
     found = [r["needle_found"] for r in got if r.get("needle_found") is not None]
     row["needle_accuracy"] = sum(found) / len(found) if found else None
     return row

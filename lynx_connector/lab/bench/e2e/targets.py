@@ -18,6 +18,8 @@ TARGETS = {
     "seq_int8_vs_pipelined_spec": 2.0,  # transfer-dominated: sequential int8 TTFT / pipelined speculative TTFT
     "pipelined_spec_vs_int4": 1.05,  # transfer-dominated: pipelined speculative / pipelined int4 TTFT at most
     "pipelined_spec_vs_prefill": 1.05,  # compute-dominated: pipelined speculative TTFT / prefill at most
+    # issue 14: checksums + MACs (P and D, per request) / pipelined TTFT at most, in the 2x and 10x regimes
+    "security_vs_ttft": 0.03,
 }
 #: The flow the earlier issues' targets are judged on: what ``lynx proxy`` runs by default (rows of results
 #: written before flows existed are sequential).
@@ -104,6 +106,11 @@ def _pipelined_checks(rows: list[dict], ratios: list[float], med: Any, cells: An
               if r.get("output_equal_full") is not None]
         if eq:
             out.append(_check(label, "pipelined speculative outputs equal to full (share)", min(eq), ">=", 1.0))
+    for label in [*balanced, *hi]:  # issue 14: the cost of checksums and MACs, every mode's worst cell
+        vals = [r["security_vs_ttft"] for r in rows if r["rate_label"] == label and r.get("flow") == p
+                and r.get("security_vs_ttft") is not None]
+        out.append(_check(label, "pipelined (checksums + MACs) / TTFT, worst cell", max(vals) if vals else None,
+                          "<=", TARGETS["security_vs_ttft"]))
     return out
 
 
