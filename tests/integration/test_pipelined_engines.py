@@ -22,13 +22,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 TIMEOUT_S = 8.0  # D gives up on a P that publishes nothing more for this long
 WAIT_S = 20.0  # concurrent_wait_s: how long D waits for P to start publishing
 MODES = ("full", "speculative", "int8", "bf16", "int4")
+#: D's emulated link (its transport's token bucket): slower than P's prefill produces KV, so a speculative request's
+#: residual lands well after P has finished (the transfer-dominated regime where decoding on the anchor matters).
+D_LINK_GBPS = 0.2
 
 
-def kv_config(side_port: int, status: str) -> str:
+def kv_config(side_port: int, status: str, **extra) -> str:
     return json.dumps({"kv_connector": "lynx:speculative", "kv_load_failure_policy": "fail",
                        "kv_connector_extra_config": {"timeout_s": TIMEOUT_S, "concurrent_wait_s": WAIT_S,
                                                      "side_channel_port": side_port, "status_dir": status,
-                                                     "allowed_modes": "all"}})
+                                                     "allowed_modes": "all", **extra}})
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,7 @@ def dep(tmp_path_factory, model):
     status = logs / "status"
     with_port = kv_config(free_port(), str(status))  # P's side channel on a fixed port (the restart test)
     d = Deployment(model, logs, kv_transfer_config=with_port, max_model_len=4096,
-                   decode_serve_args=["--kv-transfer-config", kv_config(0, str(status))],
+                   decode_serve_args=["--kv-transfer-config", kv_config(0, str(status), link_gbps=D_LINK_GBPS)],
                    proxy_args=["--flow", "pipelined"])
     seq = d.add_proxy("proxy-sequential", ["--flow", "sequential"])
     with d:
@@ -61,7 +64,7 @@ def _stats(url: str) -> dict:
 def _endpoint_counters(status_dir) -> dict[str, float]:
     from lynx_connector.transport.status import writer_alive
 
-    out = {"partial_published": 0.0, "pipelined_pulls": 0.0, "early_pulls": 0.0}
+    out = {"partial_published": 0.0, "pipelined_pulls": 0.0, "early_pulls": 0.0, "first_tokens": 0.0}
     for path in status_dir.glob("*.json"):
         data = json.loads(path.read_text())
         if not writer_alive(data):
@@ -151,4 +154,28 @@ def test_side_channel_params_cannot_be_chosen_by_a_client(dep):
     error = out["kv_transfer_params"]["lynx_error"]
     assert "concurrent-flow params refused" in error["message"] and error["code"] == 400
     assert "lynx_transfer_id" not in out["kv_transfer_params"]
+    assert_idle(dep)
+
+
+def test_pipelined_speculative_releases_p_first_token_on_the_anchor(dep):
+    """Issue 15's first token: D's params in the concurrent flow carry no ``lynx_first_token`` (P has sampled
+    nothing yet); P names it on the side channel a step after the prompt, D's pull asks until it has it, and a
+    greedy speculative request releases its first token on the anchor, as in the sequential flow. The output
+    equals full mode's."""
+    from lynx_connector.lab.bench.e2e.measure import counter_delta, scrape_counters
+
+    warm = complete(dep.url, dep.model, _prompt(8, seed=11), "full", max_tokens=2)  # the proxy learns P
+    assert warm["ok"], warm
+    prompt = _prompt(120, seed=12)
+    ref = complete(dep.seq_url, dep.model, prompt, "full", max_tokens=24)
+    before = scrape_counters(dep.dep.decode.url)
+    spec = complete(dep.url, dep.model, prompt, "speculative", max_tokens=24,
+                    params={"lynx_mode": "speculative", "lynx_report": True})
+    assert ref["ok"] and spec["ok"], (ref.get("error"), spec.get("error"))
+    assert spec["out"]["choices"][0]["text"] == ref["out"]["choices"][0]["text"]
+    summary = spec["out"]["kv_transfer_params"]["lynx_speculation"]
+    delta = counter_delta(before, scrape_counters(dep.dep.decode.url))
+    assert summary["first_token_early"] == 1 and summary["first_token_mismatch"] == 0, summary
+    assert delta["lynx_early"] == 1, delta  # what `lynx bench e2e` reports as first_token_on_anchor
+    assert _endpoint_counters(dep.status_dir)["first_tokens"] >= 1
     assert_idle(dep)
