@@ -22,9 +22,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 TIMEOUT_S = 8.0  # D gives up on a P that publishes nothing more for this long
 WAIT_S = 20.0  # concurrent_wait_s: how long D waits for P to start publishing
 MODES = ("full", "speculative", "int8", "bf16", "int4")
-#: D's emulated link (its transport's token bucket): slower than P's prefill produces KV, so a speculative request's
-#: residual lands well after P has finished (the transfer-dominated regime where decoding on the anchor matters).
-D_LINK_GBPS = 0.2
+#: The first-token test's D link (its transport's token bucket, Gbit/s): slower than P's prefill produces KV on this
+#: machine (~16 KB per token at a few hundred tokens/s), so a speculative request's residual lands seconds after P
+#: has finished: the transfer-dominated regime where decoding on the anchor, and P's first token, matter.
+SLOW_LINK_GBPS = 0.02
 
 
 def kv_config(side_port: int, status: str, **extra) -> str:
@@ -41,7 +42,7 @@ def dep(tmp_path_factory, model):
     status = logs / "status"
     with_port = kv_config(free_port(), str(status))  # P's side channel on a fixed port (the restart test)
     d = Deployment(model, logs, kv_transfer_config=with_port, max_model_len=4096,
-                   decode_serve_args=["--kv-transfer-config", kv_config(0, str(status), link_gbps=D_LINK_GBPS)],
+                   decode_serve_args=["--kv-transfer-config", kv_config(0, str(status))],
                    proxy_args=["--flow", "pipelined"])
     seq = d.add_proxy("proxy-sequential", ["--flow", "sequential"])
     with d:
@@ -73,6 +74,45 @@ def _endpoint_counters(status_dir) -> dict[str, float]:
             for key in out:
                 out[key] += (data.get(side) or {}).get(key, 0)
     return out
+
+
+@pytest.fixture
+def slow_link(tmp_path_factory, model):
+    from lynx_connector.lab.launch import Deployment
+    logs = tmp_path_factory.mktemp("pipelined-slow-link")
+    status = logs / "status"
+    d = Deployment(model, logs, kv_transfer_config=kv_config(0, str(status)), max_model_len=4096,
+                   decode_serve_args=["--kv-transfer-config",
+                                      kv_config(0, str(status), link_gbps=SLOW_LINK_GBPS)],
+                   proxy_args=["--flow", "pipelined"])
+    with d:
+        yield Pair(d, status, model)
+
+
+def test_pipelined_speculative_releases_p_first_token_on_the_anchor(slow_link):
+    """Issue 15's first token: D's params in the concurrent flow carry no ``lynx_first_token`` (P has sampled
+    nothing yet); P names it on the side channel a step after the prompt, D's pull asks until it has it, and a
+    greedy speculative request releases its first token on the anchor, as in the sequential flow. The output
+    equals full mode's. Its own P and D (D on a slow link: the residual lands seconds after P has finished, so D
+    decodes on the anchor meanwhile), first in this file so that only one pair runs at a time."""
+    from lynx_connector.lab.bench.e2e.measure import counter_delta, scrape_counters
+
+    dep = slow_link
+    warm = complete(dep.url, dep.model, _prompt(4, seed=11), "full", max_tokens=2)  # the proxy learns P
+    assert warm["ok"], warm
+    prompt = _prompt(30, seed=12)
+    ref = complete(dep.url, dep.model, prompt, "full", max_tokens=24)
+    before = scrape_counters(dep.dep.decode.url)
+    spec = complete(dep.url, dep.model, prompt, "speculative", max_tokens=24,
+                    params={"lynx_mode": "speculative", "lynx_report": True})
+    assert ref["ok"] and spec["ok"], (ref.get("error"), spec.get("error"))
+    assert spec["out"]["choices"][0]["text"] == ref["out"]["choices"][0]["text"]
+    summary = spec["out"]["kv_transfer_params"]["lynx_speculation"]
+    delta = counter_delta(before, scrape_counters(dep.dep.decode.url))
+    assert summary["first_token_early"] == 1 and summary["first_token_mismatch"] == 0, summary
+    assert delta["lynx_early"] == 1, delta  # what `lynx bench e2e` reports as first_token_on_anchor
+    assert _endpoint_counters(dep.status_dir)["first_tokens"] >= 1
+    assert_idle(dep)
 
 
 def test_pipelined_flow_equals_sequential_for_every_mode(dep):
@@ -154,28 +194,4 @@ def test_side_channel_params_cannot_be_chosen_by_a_client(dep):
     error = out["kv_transfer_params"]["lynx_error"]
     assert "concurrent-flow params refused" in error["message"] and error["code"] == 400
     assert "lynx_transfer_id" not in out["kv_transfer_params"]
-    assert_idle(dep)
-
-
-def test_pipelined_speculative_releases_p_first_token_on_the_anchor(dep):
-    """Issue 15's first token: D's params in the concurrent flow carry no ``lynx_first_token`` (P has sampled
-    nothing yet); P names it on the side channel a step after the prompt, D's pull asks until it has it, and a
-    greedy speculative request releases its first token on the anchor, as in the sequential flow. The output
-    equals full mode's."""
-    from lynx_connector.lab.bench.e2e.measure import counter_delta, scrape_counters
-
-    warm = complete(dep.url, dep.model, _prompt(8, seed=11), "full", max_tokens=2)  # the proxy learns P
-    assert warm["ok"], warm
-    prompt = _prompt(120, seed=12)
-    ref = complete(dep.seq_url, dep.model, prompt, "full", max_tokens=24)
-    before = scrape_counters(dep.dep.decode.url)
-    spec = complete(dep.url, dep.model, prompt, "speculative", max_tokens=24,
-                    params={"lynx_mode": "speculative", "lynx_report": True})
-    assert ref["ok"] and spec["ok"], (ref.get("error"), spec.get("error"))
-    assert spec["out"]["choices"][0]["text"] == ref["out"]["choices"][0]["text"]
-    summary = spec["out"]["kv_transfer_params"]["lynx_speculation"]
-    delta = counter_delta(before, scrape_counters(dep.dep.decode.url))
-    assert summary["first_token_early"] == 1 and summary["first_token_mismatch"] == 0, summary
-    assert delta["lynx_early"] == 1, delta  # what `lynx bench e2e` reports as first_token_on_anchor
-    assert _endpoint_counters(dep.status_dir)["first_tokens"] >= 1
     assert_idle(dep)
