@@ -1,7 +1,8 @@
 """Issue 15 on real engines: the pipelined flow (``lynx proxy --flow pipelined``: P and D get the request at once,
 P publishes each layer as it is encoded inside the forward, D pulls it at once) gives the same greedy text as the
 sequential flow for every mode; a client that leaves before P finished, a request P refuses, and a P killed
-mid-prefill each end for that request only, and afterwards nothing is staged, pulled or queued on either side.
+mid-prefill each end for that request only, and afterwards nothing is staged, pulled or queued on either side;
+a greedy speculative request releases P's first token on the anchor (it reaches D through P's side channel).
 Real `lynx serve` P and D, two `lynx proxy` (one per flow), the real model, real NIXL."""
 
 from __future__ import annotations
