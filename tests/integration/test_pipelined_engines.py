@@ -26,7 +26,7 @@ MODES = ("full", "speculative", "int8", "bf16", "int4")
 #: The first-token test's D link (its transport's token bucket, Gbit/s): slower than P's prefill produces KV on this
 #: machine (~16 KB per token at a few hundred tokens/s), so a speculative request's residual lands seconds after P
 #: has finished: the transfer-dominated regime where decoding on the anchor, and P's first token, matter.
-SLOW_LINK_GBPS = 0.02
+SLOW_LINK_GBPS = 0.01
 
 
 def kv_config(side_port: int, status: str, **extra) -> str:
