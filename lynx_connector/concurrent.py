@@ -13,8 +13,9 @@ HMAC as P's, lynx_connector/signing.py):
 - to D: the usual remote-prefill params with ``lynx_flow: "concurrent"`` and ``remote_num_tokens: 0`` ("the
   whole prompt": the proxy has not tokenised it; D and P count the same prompt with the same tokenizer, and a
   mismatch fails the pull on the region sizes). D's pull waits up to ``concurrent_wait_s`` for P to start
-  publishing (P's "unknown request" means "not yet" meanwhile). No ``lynx_first_token`` (D samples the first
-  token itself) and no prompt digest (the proxy never sees token ids; the params reach D only from the proxy).
+  publishing (P's "unknown request" means "not yet" meanwhile). No ``lynx_first_token`` (P has sampled nothing
+  yet: it reaches a speculative D later, through P's side channel, ``Regions.first_token``) and no prompt digest
+  (the proxy never sees token ids; the params reach D only from the proxy).
 
 Pure Python (no vLLM, no torch).
 """

@@ -92,6 +92,12 @@ class LynxConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._worker().register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # P: first tokens go to the side channel before this step's forward (which may be a long prefill)
+        if isinstance(connector_metadata, LynxConnectorMetadata) and connector_metadata.first_tokens:
+            self._worker().announce_first_tokens(connector_metadata.first_tokens)
+
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._worker().handshake_metadata()
 

@@ -99,6 +99,10 @@ class LynxConnectorMetadata(KVConnectorMetadata):
     #: D: requests preempted while their residual is still pending (speculative mode): drop their pulls silently,
     #: never write into their old blocks again (those were freed in this step).
     recv_cancelled: list[str] = field(default_factory=list)
+    #: P: the token sampled after the prompt of each request that finished since the last step, by transfer id:
+    #: the worker names it in its side channel's Regions answers (a speculative D of the concurrent flow
+    #: releases its first token on it, docs/PROTOCOL.md section 6).
+    first_tokens: dict[str, int] = field(default_factory=dict)
     #: Test only: fault hooks of the pulls started in this step (``lynx_connector.testing``; empty in production).
     test_hooks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -106,11 +110,14 @@ class LynxConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class LynxWorkerMeta(KVConnectorWorkerMetadata):
     """Worker -> scheduler, once per step (D, speculative mode): requests whose residual has been merged into
-    D's blocks, and requests whose anchor was already reported ready but whose residual can no longer arrive
-    (the speculative scheduler applies ``kv_load_failure_policy``)."""
+    D's blocks, requests whose anchor was already reported ready but whose residual can no longer arrive
+    (the speculative scheduler applies ``kv_load_failure_policy``), and P's first tokens (concurrent flow)."""
 
     residual_merged: set[str] = field(default_factory=set)
     residual_failed: set[str] = field(default_factory=set)
+    #: D, concurrent flow: P's first token of speculative requests, learned from P's side channel since the last
+    #: step (by request id); the scheduler half hands it to the speculative scheduler (``spec_first_token``).
+    first_tokens: dict[str, int] = field(default_factory=dict)
     #: P, for ``auto`` (lynx_connector/auto.py): (measured link bytes/s or 0, bytes staged that D has not finished
     #: reading, recent Lynx encode seconds per token or 0); None on steps that carry no new measure.
     p_link: tuple[float, int, float] | None = None
@@ -121,8 +128,10 @@ class LynxWorkerMeta(KVConnectorWorkerMetadata):
         # With tensor parallelism a request is merged only when every rank has merged its shard; failed as soon
         # as one rank failed.
         failed = self.residual_failed | other.residual_failed
+        # Every rank's P names the same first token (P's scheduler sends it to all its workers): any rank's will do.
         return LynxWorkerMeta(residual_merged=(self.residual_merged & other.residual_merged) - failed,
-                              residual_failed=failed, p_link=self.p_link or other.p_link)  # rank 0's first
+                              residual_failed=failed, first_tokens={**other.first_tokens, **self.first_tokens},
+                              p_link=self.p_link or other.p_link)  # rank 0's first
 
 
 @dataclass

@@ -366,8 +366,9 @@ class ReceiveHalf:
         return done, failed
 
     def take_worker_meta(self) -> LynxWorkerMeta | None:
-        if not self._merged and not self._residual_failed:
+        tokens = dict(self.sink.first_tokens()) if self.sink is not None else {}  # concurrent flow: P's first tokens
+        if not self._merged and not self._residual_failed and not tokens:
             return None
         merged, failed = self._merged, self._residual_failed
         self._merged, self._residual_failed = set(), set()
-        return LynxWorkerMeta(residual_merged=merged, residual_failed=failed)
+        return LynxWorkerMeta(residual_merged=merged, residual_failed=failed, first_tokens=tokens)

@@ -82,6 +82,8 @@ class LynxConnectorScheduler:
         self._save_aborted: list[str] = []
         # P: each saved request's (transfer_id, token), minted here, handed to the workers and returned to D
         self._save_ticket: dict[str, tuple[str, str]] = {}
+        # P: first tokens of finished saved requests, by transfer id, for the workers (next step's metadata)
+        self._first_tokens_due: dict[str, int] = {}
         # P, concurrent flow: the tickets the proxy minted (and signed), by request, until the request is saved
         self._given_ticket: dict[str, tuple[str, str]] = {}
         # P: the finished children of each request vLLM fanned out (n > 1), listed in the last one's params
@@ -346,8 +348,10 @@ class LynxConnectorScheduler:
             recv_aborted=self._recv_aborted,
             recv_cancelled=self._recv_cancelled,
             test_hooks=self._faults.take_outgoing(),
+            first_tokens=self._first_tokens_due,
         )
         self._recv_pending, self._save_aborted, self._recv_aborted, self._recv_cancelled = [], [], [], []
+        self._first_tokens_due = {}
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self._save_tracked.get(req_id)
             if req is None or req_id in self._saved:
@@ -370,6 +374,9 @@ class LynxConnectorScheduler:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, LynxWorkerMeta):
             self._auto.observe(meta.p_link)
+            for req_id, tok in meta.first_tokens.items():  # concurrent flow: P's token, later than the params
+                if req_id in self.spec_pending:
+                    self.spec_first_token.setdefault(req_id, tok)
             self.residual_merged |= meta.residual_merged
             self.spec_pending -= meta.residual_merged
             failed = meta.residual_failed & self.spec_pending
@@ -423,6 +430,8 @@ class LynxConnectorScheduler:
         if not finished_ok:
             self._save_aborted.append(req_id)
             return True, None
+        if ticket and request.num_output_tokens:  # the workers name it to D on the side channel (concurrent flow)
+            self._first_tokens_due[ticket[0]] = request.output_token_ids[0]
         if not self._side_channel_ports:
             logger.error("LynxConnector: no side channel registered by the workers; cannot serve request %s",
                          req_id)

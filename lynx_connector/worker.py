@@ -317,6 +317,18 @@ class LynxConnectorWorker(ReceiveHalf):
             else:
                 self._layerwise[spec.req_id] = job
 
+    def announce_first_tokens(self, first_tokens: dict[str, int]) -> None:
+        """P: the token sampled after each finished request's prompt (by transfer id), named in every later Regions
+        answer of its transfer (a speculative D of the concurrent flow releases its first token on it). A transfer
+        D has freed already is skipped; a value that is not a token id is a bug, logged, never fatal."""
+        if self.source is None:
+            return
+        for tid, tok in first_tokens.items():
+            try:
+                self.source.set_first_token(tid, tok)
+            except ValueError as exc:
+                logger.error("LynxConnector: first token of transfer %s not announced: %s", tid[:8], exc)
+
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """P: requests whose KV blocks may be freed (staged or given up, and finished in vLLM); after poll()."""
         if self.saves is None:

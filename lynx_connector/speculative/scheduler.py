@@ -32,6 +32,15 @@ for logprobs, which must come from a full-precision pass) the first token is hel
 when they differ, whatever D would decode after its own first token would be rejected, so the request waits
 for the residual at once (``first_token_mismatch``).
 
+Concurrent flow (``lynx proxy --flow pipelined``): D's params come from the proxy before P has sampled anything,
+so P's token arrives later, from P's side channel (``Regions.first_token``, docs/PROTOCOL.md section 6), through
+the worker metadata, often a step or two after D's first token on the anchor. Until then that first token is
+held like any other and decoding on the anchor goes on; when P's token arrives, the first held token is released
+then (an output of that step) if it equals P's, with exactly the semantics above (committed; the held tokens
+after it stay held), and speculation stops with ``first_token_mismatch`` if it does not. A first token whose
+stop probe fired (EOS, ``max_tokens`` 1) is not released early: it is judged by the verification pass, like
+a first token that never gets P's (P's token never arrived, or the residual came first).
+
 Needs ``speculative_config = {"method": "custom_class", "model": NULL_PROPOSER, "num_speculative_tokens": K}``
 (switches the verification machinery on, forces MRV1 and synchronous scheduling). Prefix caching is
 switched off on an instance that runs this scheduler (anchor-precision blocks must never be shared, and the
@@ -183,7 +192,7 @@ class LynxSpecScheduler(Scheduler):
         req_id = request.request_id
         st = self._spec.get(req_id)
         if st is None and self._lynx is not None and req_id in self._lynx.pending():
-            self._spec[req_id] = st = SpecState(req_id, prefill_token=self._prefill_token(request))
+            self._spec[req_id] = st = self._new_state(request)
         if st is None:
             return super()._update_request_with_output(request, new_token_ids, is_stale)
         if st.phase is Phase.ANCHOR:
@@ -210,6 +219,8 @@ class LynxSpecScheduler(Scheduler):
                 status, reason = request.status, request.stop_reason
                 st.would_stop = check_stop(request, self.max_model_len)
                 request.status, request.stop_reason = status, reason
+                if len(st.held) == 1 and not st.committed:
+                    st.first_would_stop = st.would_stop
             return [], False
         more = st.verified(list(new_token_ids))
         if more:
@@ -218,14 +229,44 @@ class LynxSpecScheduler(Scheduler):
             self._finish_speculation(st)
         return super()._update_request_with_output(request, new_token_ids, is_stale)
 
-    def _prefill_token(self, request: Request) -> int | None:
-        """P's first token, when this request may release it early (greedy, no logprobs)."""
+    def _new_state(self, request: Request) -> SpecState:
+        """The state of a request whose first token was just sampled on the anchor: with P's first token when the
+        request may release it early (greedy, no logprobs), or waiting for it (concurrent flow: not known yet)."""
         assert self._lynx is not None
         tok = self._lynx.take_first_token(request.request_id)
         sp = self._gate.client_params(request)
-        if tok is None or sp is None or sp.sampling_type != SamplingType.GREEDY or sp.logprobs is not None:
-            return None
-        return tok
+        early = sp is not None and sp.sampling_type == SamplingType.GREEDY and sp.logprobs is None
+        return SpecState(request.request_id, prefill_token=tok if early else None,
+                         awaits_first=early and tok is None)
+
+    def _late_first_tokens(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        """P's first tokens that arrived after D's first token on the anchor (concurrent flow; module docstring):
+        release the first held token now when it equals P's, else stop speculating (``first_token_mismatch``)."""
+        assert self._lynx is not None
+        for st in [s for s in self._spec.values() if s.awaits_first]:
+            tok = self._lynx.take_first_token(st.req_id)
+            req = self.requests.get(st.req_id)
+            if tok is None and req is not None and st.phase is Phase.ANCHOR:
+                continue  # not known yet
+            st.awaits_first = False
+            if tok is None or req is None or req.is_finished() or st.phase is not Phase.ANCHOR or not st.held:
+                continue  # verifying already, or its first token was not held (low margin): verification decides
+            if st.held[0] != tok:
+                st.stopped = st.stopped or "first_token_mismatch"  # what follows D's first token would be rejected
+                continue
+            if st.first_would_stop:
+                continue  # releasing it would finish the request: the verification pass judges it
+            st.held.pop(0)
+            st.speculated -= 1
+            st.committed = 1
+            prefill_stats = req.take_prefill_stats()
+            if prefill_stats is not None:
+                prefill_stats.finalize(self.kv_cache_manager.estimate_cached_tokens(req))
+            eco = outputs.setdefault(req.client_index, EngineCoreOutputs())
+            eco.outputs.append(EngineCoreOutput(request_id=st.req_id, new_token_ids=[tok], events=req.take_events(),
+                                                prefill_stats=prefill_stats, trace_headers=req.trace_headers,
+                                                num_nans_in_logits=req.num_nans_in_logits))
+            logger.debug("Request %s: P's first token arrived after D's and equals it: released", st.req_id)
 
     def _finish_speculation(self, st: SpecState) -> None:
         self._spec.pop(st.req_id, None)
@@ -249,6 +290,7 @@ class LynxSpecScheduler(Scheduler):
         if self._lynx is not None:
             for req_id in sorted(self._lynx.take_residual_failed()):
                 self._on_residual_failed(req_id, outputs)
+            self._late_first_tokens(outputs)
         if self._done:
             for eco in outputs.values():
                 for out in eco.outputs:

@@ -19,8 +19,14 @@ class SpecState:
     phase: Phase = Phase.ANCHOR
     #: The token P sampled after the prompt at full precision (from kv_transfer_params), if usable here.
     prefill_token: int | None = None
+    #: Concurrent flow: the request may release P's first token but it is not known yet (it comes from P's side
+    #: channel, possibly after D's first token on the anchor, which is then held until it comes).
+    awaits_first: bool = False
+    #: The stop probe fired on the first held token (releasing it would finish the request).
+    first_would_stop: bool = False
     #: Output tokens released before verification: 1 when D's first token on the anchor equals P's token
-    #: (P's token is full-precision decoding, so it is released at once; verification starts after it).
+    #: (P's token is full-precision decoding, so it is released at once, or when P's token arrives;
+    #: verification starts after it).
     committed: int = 0
     #: Tokens sampled on the anchor, in order (never sent to the client before verification).
     held: list[int] = field(default_factory=list)

@@ -94,6 +94,7 @@ class SourceAnswers:
                 generation=s.generation,
                 anchor_ready=ready[0],
                 residual_ready=ready[1],
+                first_token=entry.first_token,
             )
         if isinstance(msg, proto.Done):
             with self._lock:

@@ -219,6 +219,15 @@ class PullState:
     #: Watched (`TransferSink.watch`): D has no staging for it yet; once P answers its regions the pull is
     #: "staged" and waits for `attach` (its anchor/residual addresses are 0 until then).
     held: bool = False
+    #: Concurrent flow, speculative order: P's first token (``Regions.first_token``; -1 = not known yet), and
+    #: whether D stopped asking for it (a bad value, or P no longer answers for the transfer).
+    first_token: int = -1
+    token_given_up: bool = False
+
+    @property
+    def follows_token(self) -> bool:
+        """D keeps asking P for its first token (transport/first_token.py) while this holds and the pull lives."""
+        return self.early and self.order == "split" and self.first_token < 0 and not self.token_given_up
 
 
 class DoneCourier:

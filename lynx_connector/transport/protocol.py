@@ -8,7 +8,8 @@ Nothing is ever unpickled. One message per zmq frame (DEALER sends [payload]; RO
   D -> P  Hello(nonce_d, compat_hash)                      P -> D  Challenge(nonce_p, proof_p)  | Error
   D -> P  Auth(proof_d, compat, resume)        (sealed)    P -> D  HelloOk(agent md, pool, session_id) (sealed)
   D -> P  Query(transfer_id, token)            (sealed)    P -> D  Regions | NotReady | Error      (sealed)
-                                    (Regions names how much of each region is ready: layer-wise publish)
+                                    (Regions names how much of each region is ready: layer-wise publish,
+                                     and P's first token once sampled: concurrent flow)
   D -> P  Done(transfer_id, token)             (sealed)    P -> D  Ack | Error                    (sealed)
   D -> P  KeepAlive([(transfer_id, token)...]) (sealed)    P -> D  Alive(gone)                    (sealed)
 
@@ -32,13 +33,14 @@ import msgspec
 __all__ = [
     "VERSION", "ProtocolError", "Hello", "Challenge", "Auth", "HelloOk", "Query", "Regions", "NotReady", "Done",
     "Ack", "Error", "KeepAlive", "Alive", "Message", "encode", "decode", "compat_hash", "compat_diff", "proof_p", "proof_d",
-    "session_key", "seal", "Opener", "SEALED", "MAX_KEEPALIVE", "P_TO_D", "D_TO_P", "HEX_ID_LEN", "is_hex_id",
+    "session_key", "seal", "Opener", "SEALED", "MAX_KEEPALIVE", "MAX_TOKEN_ID", "P_TO_D", "D_TO_P", "HEX_ID_LEN", "is_hex_id",
 ]
 
 VERSION = 2
 MAX_ID = 512
 MAX_MD = 1 << 20
 HEX_ID_LEN = 32  # transfer ids and tokens: 16 random bytes, hex
+MAX_TOKEN_ID = 1 << 31  # Regions.first_token is a token id below this
 U64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 I64 = Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)]
 HexId = Annotated[str, msgspec.Meta(min_length=HEX_ID_LEN, max_length=HEX_ID_LEN, pattern="^[0-9a-f]+$")]
@@ -118,6 +120,10 @@ class Regions(_Msg, tag="regions"):
     #: and queries again for the rest.
     anchor_ready: I64 = -1
     residual_ready: I64 = -1
+    #: The token P sampled after the prompt (at full precision), once P's scheduler has told its worker: -1 =
+    #: not known yet. A speculative D of the concurrent flow asks until it is known (docs/PROTOCOL.md section
+    #: 6); D ignores a value outside ``[0, 2**31)``.
+    first_token: I64 = -1
 
 
 class NotReady(_Msg, tag="not_ready"):

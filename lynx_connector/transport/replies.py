@@ -75,6 +75,9 @@ class ReplyHandlers:
                     self._on_query_reply(pull, peer, msg)
                 elif pull.state == "transferring" and pull.ready is not None:
                     self._on_progress(pull, peer, msg)
+                elif pull.state == "transferring" and pull.follows_token:
+                    self._on_token_reply(pull, msg)  # transport/first_token.py
+                self._note_first_token(pull, msg)
         elif isinstance(msg, proto.Ack):
             self._courier.ack(peer.addr, msg.transfer_id)
         elif isinstance(msg, proto.Alive):

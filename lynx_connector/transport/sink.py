@@ -38,6 +38,7 @@ from lynx_connector.logger import init_logger
 from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.events import ANCHOR, RESIDUAL, TransferEvent
+from lynx_connector.transport.first_token import FirstTokenFollower
 from lynx_connector.transport.link import Addr, DoneCourier, PeerLink, PullState
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
 from lynx_connector.transport.pool import StagingPool
@@ -53,7 +54,7 @@ logger = init_logger(__name__)
 __all__ = ["TransferSink"]
 
 
-class TransferSink(ReplyHandlers, ControlTimers):
+class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower):
     """D-side endpoint; one per worker process. `pool` is D's registered staging (caller allocates in it)."""
 
     def __init__(
@@ -98,6 +99,7 @@ class TransferSink(ReplyHandlers, ControlTimers):
         self._early = 0  # concurrent-flow pulls (started before P may have had the request)
         self._security = {"bad_mac": 0, "replayed": 0, "sessions_lost": 0, "handshakes": 0}
         self._max_in = max(config.max_message_bytes, proto.MAX_MD + 4096)  # a HelloOk carries P's NIXL metadata
+        self._init_first_tokens()  # concurrent flow, speculative: P's first token (transport/first_token.py)
         self._stop = False
         self._status = StatusWriter(config.status_path,
                                     lambda: {"sink": self.stats(), **(status_extra() if status_extra else {})})
@@ -228,6 +230,7 @@ class TransferSink(ReplyHandlers, ControlTimers):
             "keepalives": self._keepalives,
             "pipelined_pulls": self._pipelined,
             "early_pulls": self._early,
+            "first_tokens": self._tokens_seen,
             **self._security,
             "chunks_posted": self._sched.stats.chunks_posted,
             "bytes_done": self._sched.stats.bytes_done,

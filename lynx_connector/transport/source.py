@@ -63,6 +63,7 @@ class _Entry:
     t_served: float | None = None  # when D first got its Regions (started reading): measures the link (auto)
     ready: tuple[int, int] | None = None  # published in part (layer-wise): readable prefix bytes; None = all
     writing: bool = False  # staged and the caller is still encoding into it (until `publish`)
+    first_token: int = -1  # the token P sampled after the prompt (`set_first_token`), -1 = not known yet
 
 
 class TransferSource(SourceAnswers, SideChannelServer):
@@ -256,6 +257,20 @@ class TransferSource(SourceAnswers, SideChannelServer):
             entry.published = True
             if entry.deadline is None:
                 entry.deadline = time.monotonic() + self.config.lease_s
+        return True
+
+    def set_first_token(self, transfer_id: str, token: int) -> bool:
+        """The token P sampled after the prompt of transfer ``transfer_id``: every later ``Regions`` answer for it
+        carries it (a speculative D of the concurrent flow releases its first token on it, docs/PROTOCOL.md
+        section 6). False when the transfer is gone (D has read it all and freed it, or it was never staged)."""
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < proto.MAX_TOKEN_ID:
+            raise ValueError(f"first token must be a token id in [0, 2**31), got {token!r}")
+        with self._lock:
+            req_id = self._by_tid.get(transfer_id)
+            entry = self._entries.get(req_id) if req_id is not None else None
+            if entry is None:
+                return False
+            entry.first_token = token
         return True
 
     def abort(self, req_id: str) -> bool:

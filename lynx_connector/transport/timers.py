@@ -53,6 +53,10 @@ class ControlTimers:
                     nxt = self._follow_partial(pull, now)
                     if nxt is not None:
                         timers.append(nxt)
+                elif pull.follows_token:  # all readable; ask for P's first token (transport/first_token.py)
+                    nxt = self._follow_token(pull, now)
+                    if nxt is not None:
+                        timers.append(nxt)
                 continue
             if pull.state == "staged":  # P holds it; D waits for its own staging (KeepAlives renew the lease)
                 if now >= pull.deadline:

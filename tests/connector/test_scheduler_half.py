@@ -101,6 +101,41 @@ def test_first_token_is_kept_for_speculative_pulls_only():
     assert "lynx_first_token" not in remote_params(64)
 
 
+def test_p_hands_its_first_token_to_the_workers_in_the_next_step():
+    """Concurrent flow: D's params carry no first token, so P's workers name it on the side channel; they learn it
+    from the metadata of the step after the request finished (vLLM runs that step: finished_req_ids)."""
+    s, mgr = make_sched()
+    r = req("p-9", 40, {"do_remote_decode": True})
+    mgr.blocks["p-9"] = [1, 2]
+    s.update_state_after_alloc(r, FakeBlocks([1, 2]), 0)
+    tid = s.build_connector_meta(sched_out(**{"p-9": 40})).reqs_to_save[0].transfer_id
+    r.status, r.output_token_ids, r.num_output_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, [31], 1
+    s.request_finished(r, [1, 2])
+    assert s.build_connector_meta(sched_out()).first_tokens == {tid: 31}
+    assert s.build_connector_meta(sched_out()).first_tokens == {}  # once
+    aborted = req("p-10", 40, {"do_remote_decode": True}, status=RequestStatus.FINISHED_ABORTED, outputs=[5])
+    mgr.blocks["p-10"] = [3, 4]
+    s.update_state_after_alloc(aborted, FakeBlocks([3, 4]), 0)
+    s.build_connector_meta(sched_out(**{"p-10": 40}))
+    s.request_finished(aborted, [3, 4])
+    assert s.build_connector_meta(sched_out()).first_tokens == {}  # aborted: its staging goes, no token
+
+
+def test_d_keeps_p_first_token_from_the_worker_for_speculating_requests_only():
+    s, _ = make_sched()
+    s.speculation_enabled = True
+    for rid, mode in (("d-s", "speculative"), ("d-f", "full")):
+        r = req(rid, 64, remote_params(64, lynx_mode=mode))
+        s.get_num_new_matched_tokens(r, 0)
+        s.update_state_after_alloc(r, FakeBlocks([1, 2]), 64)
+    assert s.spec_first_token == {}
+    meta = LynxWorkerMeta(first_tokens={"d-s": 7, "d-f": 8, "gone": 9})
+    s.update_connector_output(SimpleNamespace(finished_recving=set(), kv_connector_worker_meta=meta))
+    assert s.spec_first_token == {"d-s": 7}
+    other = LynxWorkerMeta(first_tokens={"d-s": 7})  # another rank's worker: the same token
+    assert LynxWorkerMeta().aggregate(other).first_tokens == {"d-s": 7}
+
+
 def test_prefill_side_abort_drops_staging():
     s, mgr = make_sched()
     r = req("p-2", 40, {"do_remote_decode": True})

@@ -562,3 +562,32 @@ def test_concurrent_flow_request_aborted_before_p_staged_it_frees_both_sides(pai
     p.save(LynxConnectorMetadata(reqs_to_save=[SaveSpec(req_id="p1", block_ids=P_BLOCKS, num_tokens=N,
                                                          mode="full", transfer_id=tid, token=tok)]))
     assert_staging_freed(p, d)  # P's staging freed by D's Done (owed until P has the request), not its lease
+
+
+def test_concurrent_speculative_pull_reports_p_first_token_in_worker_meta(pair):
+    """Concurrent flow (issue 15): P's worker learns its first token a step after the prompt (the connector's
+    bind_connector_metadata), names it on the side channel, and D's worker reports it to its scheduler half once,
+    even when every byte was readable before (D's reads still in flight)."""
+    make, fabric = pair
+    (p, p_caches), (d, d_caches) = make("kv_producer"), make("kv_consumer")
+    tid, token = mint_ticket()  # the proxy's
+    d_nixl = next(a for n, a in fabric.agents.items() if n.endswith("-dst"))
+    d_nixl.hang = True  # D's READs stay in flight
+    spec = dataclasses.replace(recv_spec(p, "speculative", remote="p-new"), transfer_id=tid, token=token,
+                               concurrent=True)
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[spec]))
+    p.save(LynxConnectorMetadata(reqs_to_save=[SaveSpec(req_id="p1", block_ids=P_BLOCKS, num_tokens=N,
+                                                        mode="speculative", transfer_id=tid, token=token)]))
+    poll_until([p, d], lambda: d.sink.stats()["bytes_done"] == 0 and p.source.stats()["served_queries"] >= 2)
+    assert d.take_worker_meta() is None  # P has not sampled yet
+    p.announce_first_tokens({tid: 4242, "ef" * 16: 1})  # (a transfer D freed already: skipped)
+    tokens: dict[str, int] = {}
+    poll_until([p, d], lambda: tokens.update(getattr(d.take_worker_meta(), "first_tokens", {})) or bool(tokens))
+    assert tokens == {"d1": 4242}
+    d_nixl.hang = False
+    merged: set[str] = set()
+    poll_until([p, d], lambda: merged.update(getattr(d.take_worker_meta(), "residual_merged", ())) or "d1" in merged)
+    full = expected(p_caches, "speculative", full=True)
+    assert all(torch.equal(d_caches[n], full[n]) for n in d_caches)
+    assert d.take_worker_meta() is None  # reported once
+    assert_staging_freed(p, d)

@@ -1,7 +1,8 @@
 """Issue 15 on real engines: the pipelined flow (``lynx proxy --flow pipelined``: P and D get the request at once,
 P publishes each layer as it is encoded inside the forward, D pulls it at once) gives the same greedy text as the
 sequential flow for every mode; a client that leaves before P finished, a request P refuses, and a P killed
-mid-prefill each end for that request only, and afterwards nothing is staged, pulled or queued on either side.
+mid-prefill each end for that request only, and afterwards nothing is staged, pulled or queued on either side;
+a greedy speculative request releases P's first token on the anchor (it reaches D through P's side channel).
 Real `lynx serve` P and D, two `lynx proxy` (one per flow), the real model, real NIXL."""
 
 from __future__ import annotations
@@ -22,13 +23,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 TIMEOUT_S = 8.0  # D gives up on a P that publishes nothing more for this long
 WAIT_S = 20.0  # concurrent_wait_s: how long D waits for P to start publishing
 MODES = ("full", "speculative", "int8", "bf16", "int4")
+#: The first-token test's D link (its transport's token bucket, Gbit/s): slower than P's prefill produces KV on this
+#: machine (~16 KB per token at a few hundred tokens/s), so a speculative request's residual lands seconds after P
+#: has finished: the transfer-dominated regime where decoding on the anchor, and P's first token, matter.
+SLOW_LINK_GBPS = 0.01
 
 
-def kv_config(side_port: int, status: str) -> str:
+def kv_config(side_port: int, status: str, **extra) -> str:
     return json.dumps({"kv_connector": "lynx:speculative", "kv_load_failure_policy": "fail",
                        "kv_connector_extra_config": {"timeout_s": TIMEOUT_S, "concurrent_wait_s": WAIT_S,
                                                      "side_channel_port": side_port, "status_dir": status,
-                                                     "allowed_modes": "all"}})
+                                                     "allowed_modes": "all", **extra}})
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +66,7 @@ def _stats(url: str) -> dict:
 def _endpoint_counters(status_dir) -> dict[str, float]:
     from lynx_connector.transport.status import writer_alive
 
-    out = {"partial_published": 0.0, "pipelined_pulls": 0.0, "early_pulls": 0.0}
+    out = {"partial_published": 0.0, "pipelined_pulls": 0.0, "early_pulls": 0.0, "first_tokens": 0.0}
     for path in status_dir.glob("*.json"):
         data = json.loads(path.read_text())
         if not writer_alive(data):
@@ -70,6 +75,45 @@ def _endpoint_counters(status_dir) -> dict[str, float]:
             for key in out:
                 out[key] += (data.get(side) or {}).get(key, 0)
     return out
+
+
+@pytest.fixture
+def slow_link(tmp_path_factory, model):
+    from lynx_connector.lab.launch import Deployment
+    logs = tmp_path_factory.mktemp("pipelined-slow-link")
+    status = logs / "status"
+    d = Deployment(model, logs, kv_transfer_config=kv_config(0, str(status)), max_model_len=4096,
+                   decode_serve_args=["--kv-transfer-config",
+                                      kv_config(0, str(status), link_gbps=SLOW_LINK_GBPS)],
+                   proxy_args=["--flow", "pipelined"])
+    with d:
+        yield Pair(d, status, model)
+
+
+def test_pipelined_speculative_releases_p_first_token_on_the_anchor(slow_link):
+    """Issue 15's first token: D's params in the concurrent flow carry no ``lynx_first_token`` (P has sampled
+    nothing yet); P names it on the side channel a step after the prompt, D's pull asks until it has it, and a
+    greedy speculative request releases its first token on the anchor, as in the sequential flow. The output
+    equals full mode's. Its own P and D (D on a slow link: the residual lands seconds after P has finished, so D
+    decodes on the anchor meanwhile), first in this file so that only one pair runs at a time."""
+    from lynx_connector.lab.bench.e2e.measure import counter_delta, scrape_counters
+
+    dep = slow_link
+    warm = complete(dep.url, dep.model, _prompt(4, seed=11), "full", max_tokens=2)  # the proxy learns P
+    assert warm["ok"], warm
+    prompt = _prompt(30, seed=12)
+    ref = complete(dep.url, dep.model, prompt, "full", max_tokens=24)
+    before = scrape_counters(dep.dep.decode.url)
+    spec = complete(dep.url, dep.model, prompt, "speculative", max_tokens=24,
+                    params={"lynx_mode": "speculative", "lynx_report": True})
+    assert ref["ok"] and spec["ok"], (ref.get("error"), spec.get("error"))
+    assert spec["out"]["choices"][0]["text"] == ref["out"]["choices"][0]["text"]
+    summary = spec["out"]["kv_transfer_params"]["lynx_speculation"]
+    delta = counter_delta(before, scrape_counters(dep.dep.decode.url))
+    assert summary["first_token_early"] == 1 and summary["first_token_mismatch"] == 0, summary
+    assert delta["lynx_early"] == 1, delta  # what `lynx bench e2e` reports as first_token_on_anchor
+    assert _endpoint_counters(dep.status_dir)["first_tokens"] >= 1
+    assert_idle(dep)
 
 
 def test_pipelined_flow_equals_sequential_for_every_mode(dep):

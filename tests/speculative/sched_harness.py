@@ -168,9 +168,11 @@ class Driver:
         return out
 
     def step(self, *, finished_recving: set[str] = frozenset(), failed_recving: set[str] = frozenset(),
-             merged: set[str] = frozenset(), failed: set[str] = frozenset()) -> Any:
+             merged: set[str] = frozenset(), failed: set[str] = frozenset(),
+             first_tokens: dict[str, int] | None = None) -> Any:
         """One engine step. The KV-connector events are those the worker reports after this step's forward
-        (so this step's tokens of a request in ``merged`` were still sampled on the anchor)."""
+        (so this step's tokens of a request in ``merged`` were still sampled on the anchor); ``first_tokens``:
+        P's first tokens the worker learned from P's side channel in this step (concurrent flow)."""
         from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, LogprobsLists, ModelRunnerOutput
 
         so = self.sched.schedule()
@@ -198,8 +200,10 @@ class Driver:
             logprobs = LogprobsLists(np.array(rows_ids, dtype=np.int64), np.array(rows_lp, dtype=np.float32),
                                      np.zeros(len(rows_ids), dtype=np.int64), cu)
         kvo = None
-        if finished_recving or failed_recving or merged or failed:
-            meta = LynxWorkerMeta(residual_merged=set(merged), residual_failed=set(failed)) if merged or failed else None
+        if finished_recving or failed_recving or merged or failed or first_tokens:
+            meta = (LynxWorkerMeta(residual_merged=set(merged), residual_failed=set(failed),
+                                   first_tokens=dict(first_tokens or {}))
+                    if merged or failed or first_tokens else None)
             kvo = KVConnectorOutput(finished_recving=set(finished_recving) | set(failed_recving),
                                     failed_recving=set(failed_recving), kv_connector_worker_meta=meta)
         mro = ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
