@@ -42,7 +42,7 @@ def test_ratio_is_the_median_of_per_round_ratios() -> None:
     assert rows[("lynx:speculative", 8)]["ratio_vs_vllm"] is None  # no measurement: no ratio
     verdicts = {(c["config"], c["batch"]): c["pass"] for c in decode.checks(list(rows.values()))}
     assert verdicts == {("lynx:speculative", 1): True, ("lynx:speculative", 8): None}
-    result = {"model": "m", "config": {"cpus": "1", "prompt_tokens": 128, "max_tokens": 128, "rounds": 3},
+    result = {"model": "m", "config": {"cpus": "1", "server_cpus": "1", "prompt_tokens": 128, "max_tokens": 128, "rounds": 3},
               "rows": list(rows.values()), "checks": decode.checks(list(rows.values())), "hardware": {},
               "versions": {}, "git": {}}
     md = decode.markdown(result)

@@ -4,8 +4,11 @@ spec-decode path on the whole instance; target >= 0.98x plain vLLM).
 
 One server per configuration (``lynx serve`` of the real model: ``vllm`` = no KV connector, ``lynx`` = the
 connector in its default mode, ``lynx:speculative`` = the connector with the Lynx speculative scheduler and its
-null proposer), all up at once and all pinned to the same cores (``--cpus``, default D's core of the e2e bench),
-each with the same KV cache size. They are measured in interleaved rounds: each round runs every
+null proposer), all up at once, their compute threads on the same cores (``--cpus``, default D's core of the e2e
+bench), each with the same KV cache size. By default each server's whole process tree is pinned there too; with
+``--server-cpus ''`` only the compute threads are, so the engine core can schedule the next step on another core
+while the worker computes, as a GPU host's CPU does: what vLLM's async scheduling (which the speculative
+scheduler turns off) needs to gain anything. They are measured in interleaved rounds: each round runs every
 (configuration, batch) once, the configurations' order rotated from round to round, so that a change in the
 machine's load hits them alike; only the server being measured has work.
 
@@ -104,7 +107,8 @@ def markdown(result: dict[str, Any]) -> str:
 
     cfg = result["config"]
     out = ["## lynx bench decode\n",
-           f"Model {result.get('model')} (fp32, CPU), one `lynx serve` per configuration on cores {cfg['cpus']}, "
+           f"Model {result.get('model')} (fp32, CPU), one `lynx serve` per configuration, compute threads on cores "
+           f"{cfg['cpus']}, the servers' processes on {cfg.get('server_cpus', cfg['cpus'])}, "
            f"plain requests straight to the server: {cfg['prompt_tokens']}-token prompts, {cfg['max_tokens']} greedy "
            f"tokens (EOS ignored), {cfg['rounds']} interleaved rounds. Decode tokens/s = sum over the batch of "
            "(tokens - 1) / (last - first token time); ratio = median of the per-round ratios to `vllm`.\n",
@@ -143,7 +147,8 @@ def server_argv(name: str, model: str, port: int, max_model_len: int) -> list[st
     return argv
 
 
-def _start(names: list[str], model: str, log_dir: Path, cpus: str, max_model_len: int) -> dict[str, Any]:
+def _start(names: list[str], model: str, log_dir: Path, cpus: str, tree_cpus: str, max_model_len: int
+           ) -> dict[str, Any]:
     import secrets
 
     from lynx_connector.lab.launch import SERVER_ENV, Server, cpu_set, free_port
@@ -155,7 +160,7 @@ def _start(names: list[str], model: str, log_dir: Path, cpus: str, max_model_len
         argv = server_argv(name, model, port, max_model_len)
         s = Server(name.replace(":", "-"), argv, port, log_dir / f"{name.replace(':', '-')}.log",
                    env={**SERVER_ENV, "VLLM_CPU_OMP_THREADS_BIND": cpus, "LYNX_SIDE_CHANNEL_KEY": key},
-                   cpus=cpu_set(cpus))
+                   cpus=cpu_set(tree_cpus) if tree_cpus else None)
         s.start()
         servers[name] = s
     return servers
@@ -220,7 +225,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log_dir.mkdir(parents=True, exist_ok=True)
     sys.stdout.write(f"lynx bench decode: {configs} on cores {args.cpus}, batches {batches}, {args.rounds} rounds; "
                      f"logs in {log_dir}\n")
-    servers = _start(configs, model, log_dir, args.cpus, max_len)
+    tree_cpus = args.cpus if args.server_cpus is None else args.server_cpus
+    servers = _start(configs, model, log_dir, args.cpus, tree_cpus, max_len)
     measurements: list[dict[str, Any]] = []
     try:
         _wait_healthy(servers, START_TIMEOUT_S)
@@ -246,6 +252,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "decode", "model": Path(model).name,
         "config": {"configs": {c: CONFIGS[c] for c in configs}, "batches": batches, "rounds": args.rounds,
                    "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "cpus": args.cpus,
+                   "server_cpus": tree_cpus or "unpinned",
                    "kv_cache_bytes": KV_CACHE_BYTES, "ignore_eos": True, "temperature": 0.0},
         "method": __doc__.split("\n\n")[1:4],
         "rows": rows, "measurements": measurements, "checks": [], "logs": str(log_dir)}
@@ -271,6 +278,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default 128)")
     p.add_argument("--cpus", default="1", help="VLLM_CPU_OMP_THREADS_BIND of every server, and the cores the "
                    "servers are pinned to (default 1: D's core in lynx bench e2e)")
+    p.add_argument("--server-cpus", default=None, help="cores of each server's whole process tree (API server, "
+                   "engine core, worker); default: --cpus. '' = unpinned: the engine core schedules on another "
+                   "core while the worker computes, as a GPU host's CPU does (async scheduling can overlap)")
     p.add_argument("--model", default=None, help="model folder (default: the lab model)")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--out", default=None, help="write JSON here (and .md beside it)")
