@@ -173,3 +173,42 @@ def test_cli_accepts_auto_and_concurrency_8() -> None:
         run(parser.parse_args(["e2e", "--modes", "auto,nope"]))
     assert e2e.kv_config(0.5, None, True).count('"auto_speculative": true') == 1
     assert "auto_speculative" not in e2e.kv_config(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quick_run_with_auto_names_each_choice(tmp_path) -> None:
+    """The real thing: P's log line and counter as the bench reads them, and the proxy's flow counts."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lynx_connector.lab.models import is_prepared
+    from lynx_connector.modes import auto_candidates
+
+    if not is_prepared():
+        pytest.skip("the real model is not prepared")
+    out = tmp_path / "e2e.json"
+    proc = subprocess.run([sys.executable, "-m", "lynx_connector.lab.bench.e2e", "--quick", "--modes", "full,auto",
+                           "--out", str(out), "--log-dir", str(tmp_path / "logs")],
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=850,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    shape = e2e.ModelShape(**result["model_shape"])
+    autos = [r for r in result["rows"] if r["mode"] == "auto"]
+    assert {(r["concurrency"], r["flow"]) for r in autos} == {(1, "sequential"), (1, "pipelined"), (2, "sequential"),
+                                                             (2, "pipelined")}
+    for row in autos:
+        assert row["errors"] == 0 and row["chosen_source"] == "p_log", row  # every request found in P's log
+        assert sum(row["chosen"].values()) == row["n"] and set(row["chosen"]) <= set(auto_candidates())
+        assert row["flow_used"] == {"sequential": row["n"]}  # auto goes the sequential way behind either proxy
+        reqs = [q for q in result["requests"] if q["mode"] == "auto" and q["rate_label"] == row["rate_label"]
+                and q["concurrency"] == row["concurrency"] and q["flow"] == row["flow"]]
+        wire = [e2e.wire_bytes(q["auto_mode"], q["prompt_tokens"], shape)[1] for q in reqs]
+        assert row["wire_bytes"] == round(sum(wire) / len(wire)) and row["ideal_ttft_s"] > 0
+    piped = [r for r in result["rows"] if r["mode"] == "full" and r["flow"] == "pipelined"]
+    assert piped and all(r["flow_used"].get("pipelined") == r["n"] for r in piped)
+    assert any(c["metric"].startswith("auto TTFT / best fixed TTFT") for c in result["checks"])
