@@ -56,6 +56,8 @@ def test_servers_differ_only_in_their_kv_transfer_config() -> None:
     i = spec.index("--kv-transfer-config")
     assert spec[i + 1] == "lynx:speculative" and spec[:i] + spec[i + 2:] == plain
     assert plain[plain.index("--kv-cache-memory-bytes") + 1] == str(decode.KV_CACHE_BYTES)
+    gpu = decode.server_argv("vllm", "/m", 1234, 512, ["--dtype", "bfloat16"])
+    assert gpu[-2:] == ["--dtype", "bfloat16"]  # after the CPU defaults: it wins
 
 
 def test_cli_needs_the_baseline_and_valid_batches() -> None:

@@ -25,6 +25,7 @@ the median of the per-round ratios (each round's measurements are next to each o
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
@@ -132,13 +133,13 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def server_argv(name: str, model: str, port: int, max_model_len: int) -> list[str]:
+def server_argv(name: str, model: str, port: int, max_model_len: int, extra: list[str] | None = None) -> list[str]:
     """``lynx serve`` of configuration ``name``: the lab's server arguments (as the e2e bench's D), its
-    ``--kv-transfer-config`` (none for plain vLLM) and the common KV cache size."""
+    ``--kv-transfer-config`` (none for plain vLLM), the common KV cache size, then ``extra`` (e.g. a GPU's)."""
     from lynx_connector.lab.launch import serve_argv
 
     argv = serve_argv(model, port, "lynx", max_model_len=max_model_len,
-                      extra=["--kv-cache-memory-bytes", str(KV_CACHE_BYTES)])
+                      extra=["--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *(extra or [])])
     i = argv.index("--kv-transfer-config")
     if CONFIGS[name] is None:
         del argv[i:i + 2]
@@ -147,8 +148,8 @@ def server_argv(name: str, model: str, port: int, max_model_len: int) -> list[st
     return argv
 
 
-def _start(names: list[str], model: str, log_dir: Path, cpus: str, tree_cpus: str, max_model_len: int
-           ) -> dict[str, Any]:
+def _start(names: list[str], model: str, log_dir: Path, cpus: str, tree_cpus: str, max_model_len: int,
+           extra: list[str]) -> dict[str, Any]:
     import secrets
 
     from lynx_connector.lab.launch import SERVER_ENV, Server, cpu_set, free_port
@@ -157,7 +158,7 @@ def _start(names: list[str], model: str, log_dir: Path, cpus: str, tree_cpus: st
     servers = {}
     for name in names:
         port = free_port()
-        argv = server_argv(name, model, port, max_model_len)
+        argv = server_argv(name, model, port, max_model_len, extra)
         s = Server(name.replace(":", "-"), argv, port, log_dir / f"{name.replace(':', '-')}.log",
                    env={**SERVER_ENV, "VLLM_CPU_OMP_THREADS_BIND": cpus, "LYNX_SIDE_CHANNEL_KEY": key},
                    cpus=cpu_set(tree_cpus) if tree_cpus else None)
@@ -226,7 +227,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sys.stdout.write(f"lynx bench decode: {configs} on cores {args.cpus}, batches {batches}, {args.rounds} rounds; "
                      f"logs in {log_dir}\n")
     tree_cpus = args.cpus if args.server_cpus is None else args.server_cpus
-    servers = _start(configs, model, log_dir, args.cpus, tree_cpus, max_len)
+    extra = shlex.split(args.serve_args or "")
+    servers = _start(configs, model, log_dir, args.cpus, tree_cpus, max_len, extra)
     measurements: list[dict[str, Any]] = []
     try:
         _wait_healthy(servers, START_TIMEOUT_S)
@@ -252,7 +254,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "decode", "model": Path(model).name,
         "config": {"configs": {c: CONFIGS[c] for c in configs}, "batches": batches, "rounds": args.rounds,
                    "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "cpus": args.cpus,
-                   "server_cpus": tree_cpus or "unpinned",
+                   "server_cpus": tree_cpus or "unpinned", "serve_args": extra,
                    "kv_cache_bytes": KV_CACHE_BYTES, "ignore_eos": True, "temperature": 0.0},
         "method": __doc__.split("\n\n")[1:4],
         "rows": rows, "measurements": measurements, "checks": [], "logs": str(log_dir)}
@@ -281,6 +283,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--server-cpus", default=None, help="cores of each server's whole process tree (API server, "
                    "engine core, worker); default: --cpus. '' = unpinned: the engine core schedules on another "
                    "core while the worker computes, as a GPU host's CPU does (async scheduling can overlap)")
+    p.add_argument("--serve-args", default=None, help="extra lynx serve arguments of every server, after the "
+                   "lab's CPU defaults (later values win), e.g. a GPU's \"--dtype bfloat16 --gpu-memory-utilization "
+                   "0.2\"")
     p.add_argument("--model", default=None, help="model folder (default: the lab model)")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--out", default=None, help="write JSON here (and .md beside it)")
