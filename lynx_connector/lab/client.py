@@ -31,7 +31,7 @@ class StreamResult:
 
 def stream_completion(base_url: str, model: str, prompt: str | list[int], *, max_tokens: int = 32,
                       kv_transfer_params: dict[str, Any] | None = None, timeout: float = 600.0,
-                      extra: dict[str, Any] | None = None) -> StreamResult:
+                      extra: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> StreamResult:
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                             "stream": True,
                             # per-chunk token counts: a verification step releases several tokens at once
@@ -40,7 +40,8 @@ def stream_completion(base_url: str, model: str, prompt: str | list[int], *, max
         body["kv_transfer_params"] = kv_transfer_params
     body.update(extra or {})
     req = urllib.request.Request(base_url.rstrip("/") + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+                                 headers={"Content-Type": "application/json", "Accept": "text/event-stream",
+                                          **(headers or {})})
     out = StreamResult()
     n_tokens = 0
     t0 = time.perf_counter()

@@ -96,22 +96,28 @@ def e2e_markdown(result: dict[str, Any]) -> str:
     rows = sorted(result.get("rows", []), key=lambda r: (_dep_index(result, r["rate_label"]), r["concurrency"],
                                                           r["nominal_tokens"], _mode_key(r["mode"]),
                                                           r.get("flow") or ""))
+    auto = any("chosen" in r for r in rows)
+    if auto:
+        headers.insert(5, "auto chose (reasons)")
     table = []
     for r in rows:
-        table.append([r["rate_label"], r["concurrency"], r["prompt_tokens"], MODE_LABEL.get(r["mode"], r["mode"]),
-                      r.get("flow", "sequential"),
-                      f"{r['n']}{' (' + str(r['errors']) + ' err)' if r['errors'] else ''}",
-                      r["ttft_s_median"], r["ttft_s_p90"], r["tt32_s_median"], r["tt32_s_p90"], r["tt64_s_median"],
-                      r["tt64_s_p90"], r["wire_bytes"] / 1e6,
-                      None if r.get("wire_bytes_measured") is None else r["wire_bytes_measured"] / 1e6,
-                      r["ideal_ttft_s"], r["ttft_vs_ideal"], r.get("limit_ttft_s"), r.get("ttft_vs_limit"),
-                      None if r.get("acceptance") is None else f"{r['acceptance']:.1%}",
-                      None if r.get("speculated") is None else r["speculated"] / r["n"],
-                      None if r.get("stopped_low_margin") is None
-                      else f"{r['stopped_low_margin']}+{r.get('first_token_mismatch') or 0}",
-                      None if r.get("first_token_on_anchor") is None else f"{r['first_token_on_anchor']}/{r['n']}",
-                      None if r.get("output_equal_full") is None else f"{r['output_equal_full']:.0%}",
-                      None if r.get("needle_accuracy") is None else f"{r['needle_accuracy']:.0%}"])
+        cells = [r["rate_label"], r["concurrency"], r["prompt_tokens"], MODE_LABEL.get(r["mode"], r["mode"]),
+                 _flow_cell(r),
+                 f"{r['n']}{' (' + str(r['errors']) + ' err)' if r['errors'] else ''}",
+                 r["ttft_s_median"], r["ttft_s_p90"], r["tt32_s_median"], r["tt32_s_p90"], r["tt64_s_median"],
+                 r["tt64_s_p90"], None if r.get("wire_bytes") is None else r["wire_bytes"] / 1e6,
+                 None if r.get("wire_bytes_measured") is None else r["wire_bytes_measured"] / 1e6,
+                 r["ideal_ttft_s"], r["ttft_vs_ideal"], r.get("limit_ttft_s"), r.get("ttft_vs_limit"),
+                 None if r.get("acceptance") is None else f"{r['acceptance']:.1%}",
+                 None if r.get("speculated") is None else r["speculated"] / r["n"],
+                 None if r.get("stopped_low_margin") is None
+                 else f"{r['stopped_low_margin']}+{r.get('first_token_mismatch') or 0}",
+                 None if r.get("first_token_on_anchor") is None else f"{r['first_token_on_anchor']}/{r['n']}",
+                 None if r.get("output_equal_full") is None else f"{r['output_equal_full']:.0%}",
+                 None if r.get("needle_accuracy") is None else f"{r['needle_accuracy']:.0%}"]
+        if auto:
+            cells.insert(5, _chosen_cell(r))
+        table.append(cells)
     out.append(_md_table(headers, table))
     out.append("\nideal TTFT: " + result.get("ideal_model", "") + ". limit TTFT: " + result.get("limit_model", "n/a")
                + ". `=full`: share of requests whose text equals "
@@ -120,13 +126,37 @@ def e2e_markdown(result: dict[str, Any]) -> str:
                "token) was released when the anchor landed. `held/req`: tokens decoded on the anchor and held per "
                "request; `gate stops`: requests whose anchor phase the confidence gate stopped on a low margin + "
                "those whose first anchor token was not P's.\n")
+    if auto:
+        out.append("`auto chose`: the modes P picked for the auto requests of the row (P's counter "
+                   "vllm:lynx_auto_choices over the cell; each request's own choice, from P's log, is in the JSON's "
+                   "requests), with the reasons; the row's MB wire, ideal and limit TTFT use each request's chosen "
+                   "mode. `flow`: the proxy's flow, and the flow it really used when that differs (the proxy sends "
+                   "auto requests the sequential way).\n")
     checks = result.get("checks", [])
     if checks:
-        out.append("\n### Targets (issues 5 and 6), concurrency 1\n")
+        out.append("\n### Targets (issues 5, 6, 15: concurrency 1; issue 16's auto: per cell)\n")
         out.append(_md_table(["regime", "metric", "value", "target", "verdict"],
                              [[c["regime"], c["metric"], c["value"], f"{c['op']} {c['target']}",
-                               "n/a" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL")] for c in checks]))
+                               c.get("note") or ("n/a" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL"))]
+                              for c in checks]))
     return "\n".join(out)
+
+
+def _flow_cell(r: dict[str, Any]) -> str:
+    flow = r.get("flow", "sequential")
+    used = r.get("flow_used")
+    if used and set(used) != {flow}:
+        return f"{flow} (used: " + ", ".join(f"{f} {n}" for f, n in sorted(used.items())) + ")"
+    return flow
+
+
+def _chosen_cell(r: dict[str, Any]) -> str | None:
+    if "chosen" not in r:
+        return None
+    modes = ", ".join(f"{m} {n}" for m, n in sorted(r["chosen"].items(), key=lambda kv: _mode_key(kv[0])))
+    reasons = ", ".join(f"{k} {n}" for k, n in sorted(r.get("chosen_reasons", {}).items()))
+    src = "" if r.get("chosen_source") == "p_log" else f"; per request: {r.get('chosen_source')}"
+    return f"{modes or 'none seen'} ({reasons}{src})"
 
 
 def _dep_index(result: dict[str, Any], label: str) -> int:

@@ -66,7 +66,7 @@ from lynx_connector.lab.bench.e2e.plan import (
 )
 from lynx_connector.lab.bench.e2e.targets import TARGETS, evaluate_targets
 from lynx_connector.logger import init_logger
-from lynx_connector.modes import MODE_NAMES, is_mode
+from lynx_connector.modes import AUTO_MODE, MODE_NAMES, is_requestable
 
 logger = init_logger(__name__)
 
@@ -84,9 +84,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = common.environment_info()  # at the start: the code (git revision) and versions that ran
     quick = bool(args.quick)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = sorted(m for m in modes if not is_mode(m))
+    unknown = sorted(m for m in modes if not is_requestable(m))
     if unknown:
-        raise SystemExit(f"unknown modes {unknown}; choose from {', '.join(MODE_NAMES)}")
+        raise SystemExit(f"unknown modes {unknown}; choose from {', '.join(MODE_NAMES)} or {AUTO_MODE}")
     lengths = _ints(args.lengths) or ([QUICK_LENGTH] if quick else list(DEFAULT_LENGTHS))
     conc = _ints(args.concurrency) or ([1, 2] if quick else [1, 4])
     conc_length = args.conc_length or (QUICK_LENGTH if quick else DEFAULT_CONC_LENGTH)
@@ -101,6 +101,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     flows = tuple(dict.fromkeys(f.strip() for f in args.flow.split(",") if f.strip()))
     if not flows or any(f not in FLOWS for f in flows):
         raise SystemExit(f"--flow takes a comma list of {', '.join(FLOWS)}, got {args.flow!r}")
+    explicit = [float(x) for x in args.link_gbps.split(",")] if args.link_gbps else None
+    if AUTO_MODE in modes and explicit and len(explicit) > 1:
+        # P (which chooses) keeps the KVTransferConfig it started with; only D restarts per rate
+        raise SystemExit("auto with several --link-gbps: P would keep the first rate configured for its choices; "
+                         "run one rate per invocation, or the calibrated schedule (P then measures the link)")
+    needs_spec = "speculative" in modes or AUTO_MODE in modes
     plan = Plan(modes, lengths, repeats, conc, conc_length, args.max_tokens, args.cache_dtype, max_len,
                 tuple(shlex.split(args.serve_args or "")), p_cpus or None, d_cpus or None, args.spec_min_margin,
                 flows)
@@ -112,7 +118,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     warm_prompt = build_prompts(tok, [128], 1, args.task)[128][0]  # short: cheap on the slowest link
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="lynx-bench-e2e-"))
     ref_tokens = args.ref_tokens or conc_length
-    explicit = [float(x) for x in args.link_gbps.split(",")] if args.link_gbps else None
     # Deployments: quick = one at a fixed rate; full = unpaced calibration, then one per chosen rate.
     if explicit:
         schedule: list[tuple[str, float | None, float | None]] = [(f"{g:g} Gbps", g, None) for g in explicit]
@@ -134,13 +139,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict] = []
     requests: list[dict] = []
     deployments: list[dict] = []
-    spec_args, spec_note = speculative_serve_args() if "speculative" in modes else ([], "not requested")
+    spec_args, spec_note = speculative_serve_args() if needs_spec else ([], "not requested")
+    # auto on P (no speculative scheduler there) may pick speculative when D runs the scheduler
+    plan.auto_speculative = bool(spec_args) if AUTO_MODE in modes else None
     spec_available = False
     calib_prefill: float | None = None
     # One deployment: P and the proxy stay up; D (the side that paces the link) restarts for each rate.
     dep, first_startup_s, spec_failed = start_deployment(model, log_dir, schedule[0][1], spec_args, plan)
     if spec_failed:
         spec_note, spec_args = spec_failed, []
+        plan.auto_speculative = False if AUTO_MODE in modes else None
     try:
         i = 0
         while i < len(schedule):
@@ -158,12 +166,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if w["error"] or w["tokens"] == 0:
                         raise RuntimeError(f"warm-up request ({m}) failed on link {label}: {w['error']}; D's log "
                                            f"{dep.decode.log_path}:\n{dep.decode.log_tail(8)}")
-            if i == 0 and "speculative" in modes:
+            if i == 0 and needs_spec:
                 if spec_args:
                     spec_available, spec_note = detect_speculative(dep, model, prompts[all_lengths[0]][0],
                                                                    dep.decode.log_path)
                 write(f"  speculative mode: {'available' if spec_available else 'NOT AVAILABLE'} ({spec_note})")
-                if not spec_available:
+                if not spec_available and "speculative" in modes:
                     progress.total -= len(flows) * ((len(lengths) if 1 in conc else 0) * (n_first + n_paced) + sum(
                         1 for c in conc if c > 1) * (n_first + n_paced_conc))
             do_runs = gbps is not None or quick or explicit or args.unpaced_runs
@@ -210,7 +218,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "ref_tokens": ref_tokens, "explicit_link_gbps": explicit, "conc_ratios": conc_ratios,
                    "task": args.task, "ignore_eos": True,
                    "temperature": 0.0, "max_model_len": max_len, "serve_args": list(plan.serve_args),
-                   "spec_min_margin": plan.spec_min_margin,
+                   "spec_min_margin": plan.spec_min_margin, "auto_speculative": plan.auto_speculative,
+                   "auto_link": (None if AUTO_MODE not in modes else "measured by P" if schedule[0][1] is None
+                                 else f"configured on P: {schedule[0][1]:g} Gbit/s"),
                    "p_cpus": plan.p_cpus, "d_cpus": plan.d_cpus, "flows": list(flows)},
         "speculative": {"available": spec_available, "note": spec_note},
         "calibration_prefill_s": calib_prefill,
@@ -246,7 +256,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "and D): sequential (P answers, then D: NixlConnector's contract), pipelined (P and D at "
                         "once, layer-wise publish); default both")
     p.add_argument("--modes", default=",".join(MODES),
-                   help=f"comma-separated transfer modes, of {', '.join(MODE_NAMES)} (default: all but int4_kivi)")
+                   help=f"comma-separated transfer modes, of {', '.join(MODE_NAMES)}, or {AUTO_MODE} (P picks bf16, "
+                        "full or speculative per request; its rows name the choices) (default: all but int4_kivi)")
     p.add_argument("--lengths", default=None, help=f"concurrency-1 prompt lengths (default {DEFAULT_LENGTHS})")
     p.add_argument("--repeats", type=int, default=None, help="requests per mode and length at concurrency 1 "
                    f"(default {DEFAULT_REPEATS})")

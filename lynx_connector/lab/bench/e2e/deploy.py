@@ -47,7 +47,7 @@ def make_deployment(model: str, log_dir: Path, gbps: float | None, spec_args: li
     every process and thread of each server: ``pin_servers``), as on separate machines: without it both servers
     bind their threads to every core and starve each other's transfer threads, and D's engine loop, stepping
     while a pipelined request waits for its KV, runs on P's core during P's prefill."""
-    dep = Deployment(model, log_dir, kv_transfer_config=kv_config(gbps, plan.spec_min_margin),
+    dep = Deployment(model, log_dir, kv_transfer_config=kv_config(gbps, plan.spec_min_margin, plan.auto_speculative),
                      max_model_len=plan.max_model_len, extra_serve_args=list(plan.serve_args),
                      decode_serve_args=spec_args, proxy_args=["--flow", plan.flows[-1]], pin_servers=True,
                      prefill_env={"VLLM_CPU_OMP_THREADS_BIND": plan.p_cpus} if plan.p_cpus else None,
@@ -73,6 +73,8 @@ def start_deployment(model: str, log_dir: Path, gbps: float | None, spec_args: l
             raise
         tail = dep.decode.log_tail(15)
         logger.warning("D did not start with the speculative scheduler (%s); retrying without it", exc)
+        if plan.auto_speculative:  # D without the scheduler: P's auto must not pick speculative
+            plan.auto_speculative = False
         dep = make_deployment(model, log_dir / "rate0-nospec", gbps, [], plan)
         spec_failed = f"D failed to start with the speculative scheduler: {tail[-300:]}"
         dep.__enter__()
@@ -84,4 +86,5 @@ def start_deployment(model: str, log_dir: Path, gbps: float | None, spec_args: l
 def restart_decode(dep: Deployment, gbps: float | None, log_path: Path, plan: Plan) -> None:
     """D again on the same port with a new link rate (its other arguments as started; P and the proxy keep
     running)."""
-    dep.restart_decode(kv_config(gbps, plan.spec_min_margin), log_path, timeout=RESTART_TIMEOUT_S)
+    dep.restart_decode(kv_config(gbps, plan.spec_min_margin, plan.auto_speculative), log_path,
+                       timeout=RESTART_TIMEOUT_S)

@@ -5,6 +5,8 @@ full mode, and whether D really speculates."""
 from __future__ import annotations
 
 import hashlib
+import itertools
+import secrets
 import statistics
 import sys
 import time
@@ -13,8 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from lynx_connector.lab.bench.e2e import choices
 from lynx_connector.lab.bench.e2e.plan import ModelShape, Plan, cell_ideals, cell_limits, quantile, wire_bytes
 from lynx_connector.logger import init_logger
+from lynx_connector.modes import AUTO_MODE, get_mode
 
 logger = init_logger(__name__)
 
@@ -78,13 +82,25 @@ def fmt(x: float | None, nd: int = 2) -> str:
 REQUEST_TIMEOUT_S = 300.0  # a silent server fails the request instead of hanging the benchmark
 
 
+#: The bench's X-Request-Id of each request (the proxy forwards it to P and D: P's log names it).
+_RUN_TOKEN = secrets.token_hex(4)
+_SEQ = itertools.count()
+
+
+def next_request_id() -> str:
+    return f"lynxbench-{_RUN_TOKEN}-{next(_SEQ):05d}"
+
+
 def one_request(url: str, model: str, prompt: Any, mode: str, max_tokens: int) -> dict[str, Any]:
     from lynx_connector.lab.client import stream_completion
     from lynx_connector.lab.data import needle_found
 
+    rid = next_request_id()
     res = stream_completion(url, model, prompt.token_ids, max_tokens=max_tokens, timeout=REQUEST_TIMEOUT_S,
-                            kv_transfer_params={"lynx_mode": mode}, extra={"ignore_eos": True})
-    return {"mode": mode, "prompt_tokens": len(prompt.token_ids), "seed": prompt.seed, "depth": prompt.depth,
+                            kv_transfer_params={"lynx_mode": mode}, extra={"ignore_eos": True},
+                            headers={"X-Request-Id": rid})
+    return {"mode": mode, "request_id": rid, "prompt_tokens": len(prompt.token_ids), "seed": prompt.seed,
+            "depth": prompt.depth,
             "ttft_s": res.ttft, "tt32_s": res.time_to_token(32), "tt64_s": res.time_to_token(64),
             "tokens": len(res.token_times), "total_s": res.total_s, "error": res.error,
             "needle_found": (None if prompt.answer is None
@@ -143,6 +159,9 @@ def run_rate(dep: Any, model: str, label: str, link_gbps: float | None, plan: Pl
                 for flow in plan.flows:  # side by side: the same cell through each flow's proxy
                     url = urls[flow]
                     before, before_p = scrape_counters(dep.decode.url), scrape_counters(dep.prefill.url)
+                    flows_before = choices.scrape_flows(url)
+                    auto_before = choices.scrape_auto_choices(dep.prefill.url) if mode == AUTO_MODE else None
+                    log_at = choices.log_size(dep.prefill.log_path)
                     got: list[dict] = []
                     if conc == 1:
                         for pr in prompts[n][: plan.repeats]:
@@ -154,26 +173,58 @@ def run_rate(dep: Any, model: str, label: str, link_gbps: float | None, plan: Pl
                                                                                         plan.max_tokens), batch))
                     delta = merge_p_delta(counter_delta(before, scrape_counters(dep.decode.url)),
                                           counter_delta(before_p, scrape_counters(dep.prefill.url)))
+                    flow_used = choices.flow_delta(flows_before, choices.scrape_flows(url))
                     for r in got:
                         r.update(link_gbps=link_gbps, concurrency=conc, rate_label=label, nominal_tokens=n, flow=flow)
+                    auto = None
+                    if mode == AUTO_MODE:
+                        auto = attribute_auto(got, dep.prefill.log_path, log_at, auto_before,
+                                              choices.scrape_auto_choices(dep.prefill.url))
                     requests.extend(got)
                     row = summarize_cell(got, mode, n, conc, link_gbps, label, prefill[n], shape, delta,
                                          plan.cache_dtype)
                     row["flow"] = flow
+                    row["flow_used"] = flow_used
+                    if auto is not None:
+                        row.update(auto)
                     rows.append(row)
+                    chose = (" chose " + ", ".join(f"{m} {k}" for m, k in row["chosen"].items())
+                             if auto is not None else "")
                     progress.step(f"{label} conc {conc} {mode:<11} {n:>5} tok {flow:<10}: TTFT "
                                   f"{fmt(row['ttft_s_median'])} s (limit {fmt(row['limit_ttft_s'])} s), TT64T "
                                   f"{fmt(row['tt64_s_median'])} s" + (f", {row['errors']} errors" if row["errors"]
-                                                                       else ""))
+                                                                       else "") + chose)
     return rows, requests, prefill
+
+
+def attribute_auto(got: list[dict], p_log: Path, log_at: int, before: choices.Choices | None,
+                   after: choices.Choices | None) -> dict[str, Any]:
+    """Each auto request's mode and reason (``auto_mode`` / ``auto_reason``: P's log, checked against P's
+    counter) and the row's ``chosen``, ``chosen_reasons`` and ``chosen_source``."""
+    delta = choices.choice_delta(before, after)
+    logged = choices.parse_choice_log(choices.read_log(p_log, log_at), [r["request_id"] for r in got])
+    source = choices.attribute(got, logged, delta)
+    return {**choices.summarize_choices(got, delta), "chosen_source": source}
+
+
+def request_modes(got: list[dict], mode: str) -> list[str | None]:
+    """The transfer mode each request of a cell was served in: the cell's, or for ``auto`` the one P chose
+    (None: unknown)."""
+    return [r.get("auto_mode") if mode == AUTO_MODE else mode for r in got]
 
 
 def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbps: float | None, label: str,
                    prefill_s: float, shape: ModelShape, delta: dict[str, float],
                    cache_dtype: str = "float32") -> dict[str, Any]:
+    """One cell's row. An ``auto`` cell's bytes, ideal and limit TTFT are those of the mode P chose for each
+    request (``auto_mode`` on the requests, :func:`attribute_auto`); unknown when a request's choice is."""
     ok = [r for r in got if r["error"] is None]
-    first, total = zip(*(wire_bytes(mode, r["prompt_tokens"], shape, cache_dtype) for r in got), strict=True)
-    ideals = cell_ideals(prefill_s, list(first), link_gbps, conc)
+    modes = request_modes(got, mode)
+    known = all(m is not None for m in modes)
+    first, total = ((list(x) for x in zip(*(wire_bytes(m, r["prompt_tokens"], shape, cache_dtype)
+                                              for m, r in zip(modes, got, strict=True)), strict=True))
+                    if known else ([], []))
+    ideals = cell_ideals(prefill_s, first, link_gbps, conc) if known else []
     row: dict[str, Any] = {"mode": mode, "rate_label": label, "link_gbps": link_gbps, "concurrency": conc,
                            "prompt_tokens": round(statistics.mean(r["prompt_tokens"] for r in got)),
                            "nominal_tokens": nominal, "n": len(got), "errors": len(got) - len(ok),
@@ -182,11 +233,11 @@ def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbp
         vals = [r[key] for r in ok if r[key] is not None]
         row[f"{key}_median"] = quantile(vals, 0.5)
         row[f"{key}_p90"] = quantile(vals, 0.9)
-    row["wire_bytes"] = round(statistics.mean(total))
+    row["wire_bytes"] = round(statistics.mean(total)) if total else None
     measured = delta.get("anchor_bytes", 0.0) + delta.get("residual_bytes", 0.0)
     row["wire_bytes_measured"] = round(measured / len(got)) if measured else None
-    row["bits_per_value"] = 8 * row["wire_bytes"] / (2 * shape.layers * shape.kv_heads * shape.head_dim
-                                                       * row["prompt_tokens"])
+    row["bits_per_value"] = (8 * row["wire_bytes"] / (2 * shape.layers * shape.kv_heads * shape.head_dim
+                                                        * row["prompt_tokens"]) if total else None)
     row["ideal_ttft_s"] = quantile(ideals, 0.5)
     row["ttft_vs_ideal"] = (row["ttft_s_median"] / row["ideal_ttft_s"]
                             if row["ttft_s_median"] and row["ideal_ttft_s"] else None)
@@ -194,18 +245,20 @@ def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbp
     # 32nd..64th tokens)
     steps = [(r["tt64_s"] - r["tt32_s"]) / 32 for r in ok if r["tt64_s"] is not None and r["tt32_s"] is not None]
     row["decode_step_s"] = quantile(steps, 0.5)
-    row["limit_ttft_s"] = quantile(cell_limits(prefill_s, list(first), link_gbps, conc, row["decode_step_s"] or 0.0),
-                                   0.5)
+    row["limit_ttft_s"] = (quantile(cell_limits(prefill_s, first, link_gbps, conc, row["decode_step_s"] or 0.0), 0.5)
+                           if known else None)
     row["ttft_vs_limit"] = (row["ttft_s_median"] / row["limit_ttft_s"]
                             if row["ttft_s_median"] and row["limit_ttft_s"] else None)
     drafted = delta.get("lynx_drafted") or delta.get("vllm_drafted") or 0.0
     accepted = delta.get("lynx_accepted") if delta.get("lynx_drafted") else delta.get("vllm_accepted", 0.0)
-    row["speculated"] = int(drafted) if mode == "speculative" else None
-    row["accepted"] = int(accepted or 0) if mode == "speculative" else None
-    row["acceptance"] = (accepted / drafted) if mode == "speculative" and drafted else None
-    row["first_token_on_anchor"] = int(delta.get("lynx_early", 0)) if mode == "speculative" else None
-    row["stopped_low_margin"] = int(delta.get("lynx_stop_low_margin", 0)) if mode == "speculative" else None
-    row["first_token_mismatch"] = int(delta.get("lynx_stop_mismatch", 0)) if mode == "speculative" else None
+    # speculation figures for the cells that speculate: speculative, and auto when P chose speculative for some
+    spec = any(m is not None and get_mode(m).needs_spec_scheduler for m in modes)
+    row["speculated"] = int(drafted) if spec else None
+    row["accepted"] = int(accepted or 0) if spec else None
+    row["acceptance"] = (accepted / drafted) if spec and drafted else None
+    row["first_token_on_anchor"] = int(delta.get("lynx_early", 0)) if spec else None
+    row["stopped_low_margin"] = int(delta.get("lynx_stop_low_margin", 0)) if spec else None
+    row["first_token_mismatch"] = int(delta.get("lynx_stop_mismatch", 0)) if spec else None
     # issue 14's cost: checksums (P computes, D verifies) and side-channel MACs, P and D, per request; an upper
     # bound of what they add to TTFT (as if all of it were on the critical path)
     sec = sum(v for k, v in delta.items() if k.startswith("sec_"))

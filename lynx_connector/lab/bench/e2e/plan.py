@@ -130,11 +130,14 @@ def choose_rates(prefill_s: float, ref_tokens: int, shape: ModelShape, ratios: l
     return [float(f"{ref_bf16_bytes(ref_tokens, shape) * 8 / (ratio * prefill_s) / 1e9:.4g}") for ratio in ratios]
 
 
-def kv_config(link_gbps: float | None, spec_min_margin: float | None = None) -> str:
+def kv_config(link_gbps: float | None, spec_min_margin: float | None = None,
+              auto_speculative: bool | None = None) -> str:
     # every mode of the comparison on one P/D pair: allowed explicitly (the default is full precision only)
     extra: dict[str, Any] = {"mode": "full", "link_gbps": link_gbps, "allowed_modes": "all"}
     if spec_min_margin is not None:
         extra["speculative_min_margin"] = spec_min_margin
+    if auto_speculative is not None:  # P's auto: whether D speculates (P itself runs no speculative scheduler)
+        extra["auto_speculative"] = auto_speculative
     return json.dumps({"kv_connector": "lynx", "kv_connector_extra_config": extra})
 
 
@@ -155,6 +158,8 @@ class Plan:
     spec_min_margin: float | None = None
     #: The proxy flows compared (lynx_connector.concurrent.FLOWS): one proxy each, in front of the same P and D.
     flows: tuple[str, ...] = ("sequential", "pipelined")
+    #: P's auto_speculative (None: auto not run): D runs the speculative scheduler.
+    auto_speculative: bool | None = None
 
 
 def build_prompts(tok: Any, lengths: list[int], count: int, task: str = "summary") -> dict[int, list[Any]]:

@@ -6,6 +6,7 @@ import statistics
 from typing import Any
 
 from lynx_connector.lab.bench.e2e.plan import ModelShape, cell_ideals, quantile, wire_bytes
+from lynx_connector.modes import AUTO_MODE
 
 TARGETS = {
     "spec_ttft_vs_int8": 1.43,  # int8 TTFT / speculative TTFT in the transfer-dominated regime
@@ -20,7 +21,11 @@ TARGETS = {
     "pipelined_spec_vs_prefill": 1.05,  # compute-dominated: pipelined speculative TTFT / prefill at most
     # issue 14: checksums + MACs (P and D, per request) / pipelined TTFT at most, in the 2x and 10x regimes
     "security_vs_ttft": 0.03,
+    # issue 16: auto TTFT / the best of these fixed modes' TTFT at most, in each regime (same cell otherwise)
+    "auto_vs_best_fixed": 1.05,
 }
+#: The fixed modes auto is judged against (issue 16).
+AUTO_RIVALS = ("bf16", "int8", "full", "speculative")
 #: The flow the earlier issues' targets are judged on: what ``lynx proxy`` runs by default (rows of results
 #: written before flows existed are sequential).
 DEFAULT_FLOW = "pipelined"
@@ -77,7 +82,32 @@ def evaluate_targets(rows: list[dict], ratios: list[float]) -> list[dict[str, An
                                  TARGETS["compute_regime_lynx_vs_int8"]))
     if "pipelined" in flows:
         checks += _pipelined_checks(rows, ratios, med, cells, hi, lo)
+    checks += auto_checks(rows)
     return checks
+
+
+def auto_checks(rows: list[dict]) -> list[dict[str, Any]]:
+    """Issue 16: per cell of an auto row (regime, concurrency, prompt length, flow), auto's median TTFT over the
+    best median TTFT of the fixed modes bf16, int8, full and speculative measured in the same cell; a rival not
+    in the run is named as "not run", and with none of them the check is "not run" (value None)."""
+    out: list[dict[str, Any]] = []
+    for a in rows:
+        if a["mode"] != AUTO_MODE:
+            continue
+        same = {r["mode"]: r for r in rows if r["mode"] in AUTO_RIVALS and r["rate_label"] == a["rate_label"]
+                and r["concurrency"] == a["concurrency"] and r.get("nominal_tokens") == a.get("nominal_tokens")
+                and r.get("flow", "sequential") == a.get("flow", "sequential")}
+        timed = {m: r["ttft_s_median"] for m, r in same.items() if r["ttft_s_median"] is not None}
+        missing = [m for m in AUTO_RIVALS if m not in timed]
+        best = min(timed, key=lambda m: timed[m]) if timed else None
+        what = (f"auto TTFT / best fixed TTFT ({best if best else 'none'}; conc {a['concurrency']}, "
+                f"{a.get('flow', 'sequential')} proxy" + (f"; not run: {', '.join(missing)}" if missing else "") + ")")
+        value = a["ttft_s_median"] / timed[best] if best and a["ttft_s_median"] else None
+        check = _check(a["rate_label"], what, value, "<=", TARGETS["auto_vs_best_fixed"])
+        if not timed:
+            check["note"] = "not run: none of " + ", ".join(AUTO_RIVALS) + " in this cell"
+        out.append(check)
+    return out
 
 
 def _pipelined_checks(rows: list[dict], ratios: list[float], med: Any, cells: Any, hi: list[str],
@@ -128,8 +158,12 @@ def rederive_ideals(result: dict[str, Any]) -> None:
         reqs = [r for r in result["requests"] if r["rate_label"] == row["rate_label"] and r["mode"] == row["mode"]
                 and r["concurrency"] == row["concurrency"] and r["nominal_tokens"] == row["nominal_tokens"]
                 and r.get("flow") == row.get("flow")]
-        first = [wire_bytes(row["mode"], r["prompt_tokens"], shape, result.get("cache_dtype", "float32"))[0]
-                 for r in reqs]
+        modes = [r.get("auto_mode") if row["mode"] == AUTO_MODE else row["mode"] for r in reqs]
+        if any(m is None for m in modes):  # an auto request whose choice is unknown
+            row["ideal_ttft_s"] = row["ttft_vs_ideal"] = None
+            continue
+        first = [wire_bytes(m, r["prompt_tokens"], shape, result.get("cache_dtype", "float32"))[0]
+                 for m, r in zip(modes, reqs, strict=True)]
         ideals = cell_ideals(row["prefill_s"], first, row["link_gbps"], row["concurrency"])
         row["ideal_ttft_s"] = quantile(ideals, 0.5)
         row["ttft_vs_ideal"] = (row["ttft_s_median"] / row["ideal_ttft_s"]
