@@ -99,6 +99,12 @@ def test_lynx_wiring(path: Path) -> None:
         urls = [a.split("=", 1)[1] for a in front["args"] if a.startswith(f"--{role}=")]
         n = sets[f"lynx-{role}"]["spec"]["replicas"]
         assert urls == [f"http://lynx-{role}-{i}.lynx-{role}:8000" for i in range(n)]
+    if command is None:  # lynx proxy: its default pipelined flow signs with the deployment key, mounted like P's
+        key_file = next(e["value"] for e in front["env"] if e["name"] == "LYNX_SIDE_CHANNEL_KEY_FILE")
+        mount = next(m for m in front["volumeMounts"] if m["name"] == "side-channel-key")
+        assert key_file.startswith(mount["mountPath"] + "/") and mount["readOnly"] is True
+        vols = by_kind(path, "Deployment")[name]["spec"]["template"]["spec"]["volumes"]
+        assert next(v for v in vols if v["name"] == "side-channel-key")["secret"]["secretName"] == "lynx-side-channel-key"
     if path.name == "xpyd.yaml":
         assert sets["lynx-prefill"]["spec"]["replicas"] > 1 and sets["lynx-decode"]["spec"]["replicas"] > 1
 
