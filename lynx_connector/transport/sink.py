@@ -124,12 +124,9 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower):
         request" means "not yet" for this long, which is then the pull's deadline instead of ``timeout_s``.
         ``order``: how the request's output depends on its planes, which ranks its streams against other
         requests' (``transport/ranking.py``; the transfer mode's ``pull_order``)."""
-        a = (self.pool.base_addr + self.pool.offset_of(anchor_out), int(anchor_out.numel()))
+        a, r = self._views(anchor_out, residual_out)
         if a[1] == 0:
             raise ValueError("anchor_out is empty")
-        r = None
-        if residual_out is not None and residual_out.numel() > 0:
-            r = (self.pool.base_addr + self.pool.offset_of(residual_out), int(residual_out.numel()))
         self._enqueue(req_id, host, port, transfer_id, token, a, r, wait_s, order, held=False)
 
     def watch(
@@ -158,11 +155,16 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower):
         """Give a watched request that P has staged (`staged()`) its views of `self.pool` and start its
         transfer; their sizes must be those given to `watch`. A pull that failed meanwhile has already had its
         failed events: attaching it does nothing (the caller frees its views as for any failed pull)."""
+        self._cmd(("attach", req_id, self._views(anchor_out, residual_out)))
+
+    def _views(self, anchor_out: torch.Tensor, residual_out: torch.Tensor | None
+               ) -> tuple[tuple[int, int], tuple[int, int] | None]:
+        """(address, nbytes) of the anchor view and of the residual view (None when absent or empty)."""
         a = (self.pool.base_addr + self.pool.offset_of(anchor_out), int(anchor_out.numel()))
         r = None
         if residual_out is not None and residual_out.numel() > 0:
             r = (self.pool.base_addr + self.pool.offset_of(residual_out), int(residual_out.numel()))
-        self._cmd(("attach", req_id, (a, r)))
+        return a, r
 
     def staged(self) -> list[str]:
         """Watched requests P has staged since the last call (each reported once), in the order P staged them."""

@@ -25,6 +25,10 @@ from lynx_connector.transport.keys import load_side_channel_key
 
 BLOCK = 16
 EOS = 2
+#: The scripted token streams of the scheduler tests: decoding on the anchor, and full precision, which diverges
+#: from the anchor at position 2.
+ANCHOR = [101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112]
+FULL = [101, 102, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212]
 
 
 def tiny_model_dir(root: Path) -> str:

@@ -11,18 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.speculative.sched_harness import Driver, make_scheduler, model_config, tiny_model_dir
+from tests.speculative.sched_harness import ANCHOR, FULL, Driver, make_scheduler
 
 pytestmark = pytest.mark.timeout(120)
 
 K, CAP = 4, 6
-ANCHOR = [101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112]
-FULL = [101, 102, 203, 204, 205, 206, 207, 208, 209, 210, 211, 212]  # diverges from the anchor at position 2
-
-
-@pytest.fixture(scope="module")
-def mc(tmp_path_factory):
-    return model_config(tiny_model_dir(tmp_path_factory.mktemp("tiny")))
 
 
 @pytest.fixture

@@ -38,6 +38,19 @@ def _layer(n: int, i: int) -> slice:
     return slice(n * i // LAYERS, n * (i + 1) // LAYERS)
 
 
+def _publish_layers(src, st, want_a, want_r, layers) -> None:
+    """P encodes ``layers`` of request "p" one by one (the planes' bytes from ``want_*``), publishing each; the
+    last layer of the request publishes it whole."""
+    for i in layers:
+        st.anchor[_layer(A, i)] = want_a[_layer(A, i)]
+        st.residual[_layer(R, i)] = want_r[_layer(R, i)]
+        if i < LAYERS - 1:
+            src.publish_partial("p", _layer(A, i).stop, _layer(R, i).stop)
+        else:
+            src.publish("p")
+        time.sleep(0.02)
+
+
 def test_layers_are_read_as_they_are_published(pair) -> None:
     src, sink = pair
     st = src.alloc("p", A, R)
@@ -55,14 +68,7 @@ def test_layers_are_read_as_they_are_published(pair) -> None:
     assert max(off + n for _, s, off, n in sink.post_log if s == "anchor") <= _layer(A, 1).stop
     assert max((off + n for _, s, off, n in sink.post_log if s == "residual"), default=0) <= _layer(R, 1).stop
     assert sink.poll() == []  # no stream complete yet
-    for i in range(2, LAYERS):
-        st.anchor[_layer(A, i)] = want_a[_layer(A, i)]
-        st.residual[_layer(R, i)] = want_r[_layer(R, i)]
-        if i < LAYERS - 1:
-            src.publish_partial("p", _layer(A, i).stop, _layer(R, i).stop)
-        else:
-            src.publish("p")
-        time.sleep(0.02)
+    _publish_layers(src, st, want_a, want_r, range(2, LAYERS))
     evs = collect(sink, 2)
     assert all(e.ok for e in evs), evs
     assert torch.equal(loc.anchor, want_a) and torch.equal(loc.residual, want_r)
@@ -145,14 +151,7 @@ def test_watched_pull_takes_d_staging_only_once_p_has_staged_it(pair) -> None:
     assert sink.post_log == [] and sink.poll() == []  # no staging of D's: nothing read yet
     loc = sink.pool.alloc_request("d", A, R)
     sink.attach("d", loc.anchor, loc.residual)
-    for i in range(1, LAYERS):
-        st.anchor[_layer(A, i)] = want_a[_layer(A, i)]
-        st.residual[_layer(R, i)] = want_r[_layer(R, i)]
-        if i < LAYERS - 1:
-            src.publish_partial("p", _layer(A, i).stop, _layer(R, i).stop)
-        else:
-            src.publish("p")
-        time.sleep(0.02)
+    _publish_layers(src, st, want_a, want_r, range(1, LAYERS))
     evs = collect(sink, 2)
     assert all(e.ok for e in evs), evs
     assert torch.equal(loc.anchor, want_a) and torch.equal(loc.residual, want_r)
