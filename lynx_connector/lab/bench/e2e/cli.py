@@ -108,22 +108,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("auto with several --link-gbps: P would keep the first rate configured for its choices; "
                          "run one rate per invocation, or the calibrated schedule (P then measures the link)")
     needs_spec = "speculative" in modes or AUTO_MODE in modes
-    # P's token budget per step: about one prompt, so concurrent prompts finish one after another (FIFO) instead of
-    # all together at the end of one batched step (measured at concurrency 4, 2x: int8 TTFT / ideal 1.51 -> 1.27
-    # sequential, 1.04 -> 1.00 pipelined); --serve-args may override it
-    budget = args.token_budget if args.token_budget is not None else conc_length
-    if budget < 0:
-        raise SystemExit(f"--token-budget must be >= 0, got {budget}")
-    budget_args = ("--max-num-batched-tokens", str(budget)) if budget else ()
+    if args.token_budget is not None and args.token_budget < 0:
+        raise SystemExit(f"--token-budget must be >= 0, got {args.token_budget}")
     plan = Plan(modes, lengths, repeats, conc, conc_length, args.max_tokens, args.cache_dtype, max_len,
-                (*budget_args, *shlex.split(args.serve_args or "")), p_cpus or None, d_cpus or None,
-                args.spec_min_margin, flows)
+                tuple(shlex.split(args.serve_args or "")), p_cpus or None, d_cpus or None, args.spec_min_margin,
+                flows)
     model = args.model or str(prepare())
     shape = model_shape(model)
     tok = AutoTokenizer.from_pretrained(model)
     all_lengths = sorted(set(lengths + ([conc_length] if max(conc) > 1 else [])))
     prompts = build_prompts(tok, all_lengths, max(repeats, max(conc)), args.task)
     warm_prompt = build_prompts(tok, [128], 1, args.task)[128][0]  # short: cheap on the slowest link
+    # P's token budget per step (the servers' --max-num-batched-tokens, before --serve-args, which may override
+    # it): the longest prompt of the run, so that each prompt is prefilled in one step (P publishes a request's
+    # layers in the step of its last chunk) and concurrent prompts one after another instead of all together at
+    # the end of one batched step (OPERATIONS.md "P's token budget under concurrency")
+    budget = args.token_budget if args.token_budget is not None else max(
+        len(p.token_ids) for ps in prompts.values() for p in ps)
+    if budget:
+        plan.serve_args = ("--max-num-batched-tokens", str(budget), *plan.serve_args)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="lynx-bench-e2e-"))
     ref_tokens = args.ref_tokens or conc_length
     # Deployments: quick = one at a fixed rate; full = unpaced calibration, then one per chosen rate.
@@ -299,8 +302,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--serve-args", default=None, help="extra `lynx serve` arguments for P and D, one string; "
                    "later values override the CPU defaults (e.g. '--dtype bfloat16 --gpu-memory-utilization 0.4')")
     p.add_argument("--token-budget", type=int, default=None, help="the servers' --max-num-batched-tokens (default: "
-                   "the concurrency prompt length, one prompt per step, so concurrent prompts finish one after "
-                   "another; 0 = the lab's default, the max model length)")
+                   "the longest prompt's tokens: each prompt in one step, concurrent prompts one after another; "
+                   "0 = the lab's default, the max model length)")
     p.add_argument("--spec-min-margin", type=float, default=None, help="D's speculative_min_margin, the "
                    "confidence gate of the speculative mode (default: the connector's; 0 = hold every token up to "
                    "the cap)")
