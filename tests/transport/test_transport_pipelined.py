@@ -196,12 +196,17 @@ def test_staged_pull_never_attached_fails_and_frees_p(pair) -> None:
     assert sink.stats()["pulls_live"] == 0 and sink.pool.regions_live == 0
 
 
-def test_attach_with_other_sizes_fails_the_pull(pair) -> None:
-    src, sink = pair
+def _watch_until_staged(src, sink) -> None:
+    """P stages and publishes request "p" whole; D watches it as "d" until the sink reports it staged."""
     src.alloc("p", A, R)
     src.publish("p")
     sink.watch("d", *src.address, *src.ticket("p"), A, R)
     wait_for(lambda: "d" in sink._staged)
+
+
+def test_attach_with_other_sizes_fails_the_pull(pair) -> None:
+    src, sink = pair
+    _watch_until_staged(src, sink)
     loc = sink.pool.alloc_request("d", A, 0)
     sink.attach("d", loc.anchor, None)
     evs = collect(sink, 2)
@@ -212,10 +217,7 @@ def test_attach_with_other_sizes_fails_the_pull(pair) -> None:
 
 def test_aborting_a_staged_pull_frees_p(pair) -> None:
     src, sink = pair
-    src.alloc("p", A, R)
-    src.publish("p")
-    sink.watch("d", *src.address, *src.ticket("p"), A, R)
-    wait_for(lambda: "d" in sink._staged)
+    _watch_until_staged(src, sink)
     sink.abort("d")
     wait_for(lambda: src.stats()["requests_live"] == 0)
     assert sink.poll() == [] and sink.stats()["pulls_live"] == 0

@@ -179,9 +179,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                            f"{dep.decode.log_path}:\n{dep.decode.log_tail(8)}")
             # ... and the first concurrent batch pays its own (measured: the first mode run at concurrency 4 lost
             # ~0.9 s per request): one batch of short requests at the highest concurrency of this rate, each flow
-            top = max((c for c in conc if c > 1 and (conc_ratios is None or ratio is None or ratio in conc_ratios)),
-                      default=1)
-            if top > 1 and (gbps is not None or quick or explicit or args.unpaced_runs):
+            do_runs = gbps is not None or quick or explicit or args.unpaced_runs
+            levels = [c for c in conc if c == 1 or conc_ratios is None or ratio is None or ratio in conc_ratios]
+            top = max(levels, default=1)
+            if top > 1 and do_runs:
                 for url in dep.flow_urls.values():
                     with ThreadPoolExecutor(max_workers=top) as pool:
                         batch = list(pool.map(lambda _, u=url: one_request(u, model, warm_prompt, "full", 4),
@@ -197,9 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if not spec_available and "speculative" in modes:
                     progress.total -= len(flows) * ((len(lengths) if 1 in conc else 0) * (n_first + n_paced) + sum(
                         1 for c in conc if c > 1) * (n_first + n_paced_conc))
-            do_runs = gbps is not None or quick or explicit or args.unpaced_runs
             if do_runs:
-                levels = [c for c in conc if c == 1 or conc_ratios is None or ratio is None or ratio in conc_ratios]
                 got_rows, got_reqs, prefill = run_rate(dep, model, label, gbps, plan, prompts, shape,
                                                        spec_available, progress, levels)
             else:
