@@ -4,7 +4,8 @@ maps it; there is no top-level ``kernels`` module): import it as ``lynx_connecto
 * ``groupquant_ref``, ``pack``, ``fp16_meta``: the torch twins: the portable implementation of the group
   quantizer (and its 4-bit packing and directed fp16 rounding) and the oracle every other kernel is tested
   against, bit-exact (tests/kernels).
-* ``groupquant_numba``, ``groupquant_numba_f32``: the CPU fast path (numba; generic and fp32-cache kernels),
+* ``groupquant_numba``, ``groupquant_numba_f32``, ``groupquant_numba_kv``: the CPU fast path (numba; generic
+  kernels, fp32-cache kernels, and the fp32 one-pass K+V encode for channel and token groups),
   reading and writing vLLM's paged cache directly; driven by ``lynx_connector.codec.numba_path``.
 * ``lynx_triton``: the GPU path (Triton; also runs in the CPU interpreter), driven by
   ``lynx_connector.codec.triton_path``.

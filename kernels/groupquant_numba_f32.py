@@ -1,7 +1,7 @@
-"""Numba CPU kernels of the Lynx group quantizer, fp32 caches: the vectorizable fast path (K and V of a layer in one
-pass in address order, vectorized fp16 metadata), bit-exact with ``groupquant_ref`` like the generic kernels of
-:mod:`groupquant_numba`, whose helpers and constants it uses. Re-exports the generic entry points so that
-``lynx_connector.codec.numba_path`` drives one module."""
+"""Numba CPU kernels of the Lynx group quantizer, fp32 caches: the vectorizable fast path (channel-group encode with
+vectorized fp16 metadata, decode of K and V in one pass in address order), bit-exact with ``groupquant_ref`` like the
+generic kernels of :mod:`groupquant_numba`, whose helpers and constants it uses. The one-pass K+V encode is in
+:mod:`groupquant_numba_kv`, which re-exports this module's entry points."""
 
 from __future__ import annotations
 
@@ -230,58 +230,6 @@ def _enc_group_f32(src, tile_base, base_h, off_t, off_d, t_contig, d_contig, bs,
         else:
             for d in range(d_n):
                 cv[d] = np.uint8(ai[d])
-    return OK
-
-
-@njit(cache=True, error_model="numpy")
-def encode_f32_channel(src, tile_base, s_head, off_t, off_d, t_contig, d_contig, bs, num_tokens, num_heads, g,
-                       levels, packed, residual, codes, scale_bits, mn_bits, res):
-    """``encode_tensor`` for fp32 caches and channel groups, one (group, head) at a time (``_enc_group_f32``)."""
-    w = _enc_scratch(g, off_d.shape[0])
-    pf = np.zeros(2, np.int64)  # no prefetch queue
-    for t0 in range(0, num_tokens, g):
-        t1 = min(num_tokens, t0 + g)
-        for h in range(num_heads):
-            if _enc_group_f32(src, tile_base, h * s_head, off_t, off_d, t_contig, d_contig, bs, t0, t1, h,
-                              num_heads, g, levels, packed, residual, codes, scale_bits, mn_bits, res, w, pf) != OK:
-                return FALLBACK
-    return OK
-
-
-@njit(cache=True, error_model="numpy")
-def encode_f32_kv(src, bs, num_tokens, num_heads, span, levels, packed, residual, k, v):
-    """K and V of an fp32 cache with channel groups in one pass: per ``span`` tokens (a multiple of both group
-    sizes) and head, K's groups then V's. Both tensors of a (block, head) share its cache slice in the CPU layouts,
-    so the cache is read in (nearly) address order once, instead of twice with gaps (~1.7x faster reads).
-    ``k``/``v``: (tile_base, s_head, off_t, off_d, t_contig, d_contig, g, codes, scale_bits, mn_bits, res)."""
-    tb_k, sh_k, ot_k, od_k, tc_k, dc_k, g_k, c_k, s_k, m_k, r_k = k
-    tb_v, sh_v, ot_v, od_v, tc_v, dc_v, g_v, c_v, s_v, m_v, r_v = v
-    w_k = _enc_scratch(g_k, od_k.shape[0])
-    w_v = _enc_scratch(g_v, od_v.shape[0])
-    # tiles that are one dense span (the CPU layouts): the next (span, head)'s tiles are prefetched, a few lines per
-    # row, while this one runs
-    sp_k = ot_k.max() + od_k.max() + 1
-    sp_v = ot_v.max() + od_v.max() + 1
-    dense = sp_k == bs * od_k.shape[0] and sp_v == bs * od_v.shape[0]
-    per_line = max(1, 64 // src.itemsize)
-    pf = np.zeros(2 + ((span + bs - 1) // bs + 1) * (sp_k + sp_v + 2 * per_line) // per_line, np.int64)
-    for s0 in range(0, num_tokens, span):
-        s1 = min(num_tokens, s0 + span)
-        for h in range(num_heads):
-            n0, nh = (s0, h + 1) if h + 1 < num_heads else (s0 + span, 0)
-            pf[0] = pf[1] = 2
-            if dense and n0 < num_tokens:
-                for b in range(n0 // bs, (min(num_tokens, n0 + span) + bs - 1) // bs):
-                    _queue_lines(pf, src.shape[0], tb_k[b] + nh * sh_k, sp_k, src.itemsize)
-                    _queue_lines(pf, src.shape[0], tb_v[b] + nh * sh_v, sp_v, src.itemsize)
-            for t0 in range(s0, s1, g_k):
-                if _enc_group_f32(src, tb_k, h * sh_k, ot_k, od_k, tc_k, dc_k, bs, t0, min(s1, t0 + g_k), h,
-                                  num_heads, g_k, levels, packed, residual, c_k, s_k, m_k, r_k, w_k, pf) != OK:
-                    return FALLBACK
-            for t0 in range(s0, s1, g_v):
-                if _enc_group_f32(src, tb_v, h * sh_v, ot_v, od_v, tc_v, dc_v, bs, t0, min(s1, t0 + g_v), h,
-                                  num_heads, g_v, levels, packed, residual, c_v, s_v, m_v, r_v, w_v, pf) != OK:
-                    return FALLBACK
     return OK
 
 

@@ -38,8 +38,9 @@ def test_cpu_expansion_of_sampling_parameters_is_correct():
     out = torch.full((6,), -7, dtype=torch.int32)
     x, cu = torch.tensor([1, 5, 3], dtype=torch.int32), torch.tensor([2, 5, 6], dtype=torch.int32)
     try:
-        import vllm._C  # noqa: F401  (registers the CPU ops)
+        from vllm.platforms import current_platform
 
+        current_platform.import_kernels()  # registers the CPU ops of this CPU's build (not vllm._C: AVX512-BF16)
         cpu_triton_utils._expand_kernel_impl(out, x, cu, 0, 0)
     except (ImportError, AttributeError, RuntimeError):  # no CPU op in this build: nothing to show
         pass

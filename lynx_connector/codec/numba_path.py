@@ -1,5 +1,5 @@
 """Dispatch of the contract functions to the numba CPU kernels (``kernels/groupquant_numba`` and its fp32 fast path
-``kernels/groupquant_numba_f32``).
+``kernels/groupquant_numba_f32``, ``kernels/groupquant_numba_kv``).
 
 An optional fast path: numba ships with vLLM but is not a dependency of this package; without it (or with
 ``LYNX_CODEC_NUMBA=0``) the torch twins run. The kernels cover the group codecs with token/channel groups (Lynx,
@@ -31,10 +31,10 @@ def numba_kernels() -> Any:
     if os.environ.get("LYNX_CODEC_NUMBA", "1") == "0":
         return None
     try:
-        from lynx_connector.kernels import groupquant_numba_f32
+        from lynx_connector.kernels import groupquant_numba_kv
     except Exception:  # numba absent or broken: the torch twins are the CPU path
         return None
-    return groupquant_numba_f32  # the fp32 fast path, re-exporting the generic kernels
+    return groupquant_numba_kv  # the fp32 fast path, re-exporting the generic kernels
 
 
 def _codec_key(codec: GroupQuantCodec) -> tuple[Any, ...]:
@@ -98,10 +98,6 @@ class _TensorArgs(NamedTuple):
     mn: np.ndarray
     res: np.ndarray
 
-    def channel_kernel_args(self) -> tuple[Any, ...]:
-        """The tuple of the channel-group kernels (no ``channel`` flag)."""
-        return (self.tile_base, self.s_head, self.off_t, self.off_d, self.t_contig, self.d_contig, self.g,
-                self.codes, self.scale, self.mn, self.res)
 _PLANS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
 
@@ -159,15 +155,11 @@ def _run(codec: GroupQuantCodec, kv_layer: torch.Tensor, block_ids: BlockIds, la
         if skip is not None:
             kernels.decode_f32_kv(f32, bs, t, h, skip, packed, two, tuple(k), tuple(v))
             return True
-        if k.channel and v.channel:
-            return kernels.encode_f32_kv(f32, bs, t, h, math.lcm(k.g, v.g), codec.levels, packed, two,
-                                         k.channel_kernel_args(), v.channel_kernel_args()) == kernels.OK
-    for a in (k, v):
-        if kind_code == 0 and a.channel:  # fp32 channel-group encode (one tensor): the vectorized kernel
-            status = kernels.encode_f32_channel(flat.view(np.float32), a.tile_base, a.s_head, a.off_t, a.off_d,
-                                                a.t_contig, a.d_contig, bs, t, h, a.g, codec.levels, packed, two,
-                                                a.codes, a.scale, a.mn, a.res)
-        elif skip is None:
+        # one pass over K and V, per span of whole blocks and channel groups
+        span = math.lcm(bs, *(a.g for a in (k, v) if a.channel))
+        return kernels.encode_f32_kv(f32, bs, t, h, span, codec.levels, packed, two, tuple(k), tuple(v)) == kernels.OK
+    for a in (k, v):  # bf16/fp16 caches: the generic kernels, one tensor at a time
+        if skip is None:
             status = kernels.encode_tensor(flat, kind_code, a.tile_base, a.s_head, a.off_t, a.off_d, a.d_contig, bs,
                                            t, h, a.channel, a.g, codec.levels, packed, two, a.codes, a.scale, a.mn,
                                            a.res)

@@ -10,8 +10,11 @@ import torch
 def reshape_and_cache():
     """``write(cache, k, v, slots, isa)``: vLLM writes K/V [T, H, D] into slots of a per-layer CPU cache."""
     try:
-        import vllm._C  # noqa: F401  (registers torch.ops._C)
+        # vLLM's own choice of its CPU kernel build (AVX512-BF16, AVX512 or AVX2 library): importing vllm._C
+        # directly loads the AVX512-BF16 one, which dies of an illegal instruction on an AVX2-only CPU
+        from vllm.platforms import current_platform
 
+        current_platform.import_kernels()
         op = torch.ops._C.cpu_attn_reshape_and_cache
     except Exception as e:  # pragma: no cover - vLLM missing
         pytest.skip(f"vLLM CPU ops unavailable: {e}")

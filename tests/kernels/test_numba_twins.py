@@ -80,6 +80,28 @@ def test_numba_bit_exact(dtype, backend, isa, d) -> None:
             assert torch.equal(outs[0], outs[1]), (name, skip)
 
 
+@pytest.mark.parametrize("d", [4, 12, 72])
+def test_fp32_one_pass_encode_odd_head_sizes(d) -> None:
+    """The fp32 one-pass K+V encode on head sizes below, and not a multiple of, its 8 lanes (token rows) and with
+    channel groups that end inside a block: bit-exact, and not handed over."""
+    layout = KVLayout.flash(H, BS, d, torch.float32)
+    src, _ = _src(torch.float32, d, d)
+    t, ids = 2 * BS + 5, [2, 0, 5]
+    for name, opts in CODECS + [("lynx", {"k_group_tokens": 48})]:
+        codec = get_codec(name, **opts)
+        na, nr = plane_nbytes(codec, layout, t)
+        out = []
+        for impl in ("torch", "numba"):
+            a, r = torch.zeros(na, dtype=torch.uint8), (torch.zeros(nr, dtype=torch.uint8) if nr else None)
+            if impl == "numba":
+                assert numba_path.encode_numba(codec, src, ids, layout, t, a, r), "kernel handed over"
+            else:
+                encode(codec, src, ids, layout, t, a, r, impl=impl)
+            out.append((a, r))
+        assert torch.equal(out[0][0], out[1][0]), (name, opts)
+        assert out[0][1] is None or torch.equal(out[0][1], out[1][1]), (name, opts)
+
+
 def test_signed_zero_tie_and_zero_groups_match_twin() -> None:
     layout = KVLayout.cpu(H, BS, 64, torch.float32, isa="vec")
     src = torch.randn(3, H, BS, 128)
