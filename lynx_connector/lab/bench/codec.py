@@ -34,7 +34,9 @@ _ROW_CODEC = {row: ("lynx" if row.startswith("lynx_") else row) for row in CODEC
 # The issue's targets (shown by the benchmark, not enforced by tests).
 TARGET_FULL_VNMSE = 5e-5
 TARGET_ANCHOR_K_VS_INT4 = 0.3
-TARGET_ANCHOR_V_VS_INT4 = 0.8
+# Issue 17 chose the anchor by attention-output error, agreement and dNLL, not vNMSE: its V is per token, int4's own
+# V format (6.9x less attention error than the earlier per-channel V's 0.6x vNMSE), so V may not be worse than int4's
+TARGET_ANCHOR_V_VS_INT4 = 1.0
 TARGET_ANCHOR_BITS = 4.6
 TARGET_THROUGHPUT_VS_MEMCPY = 0.25
 TARGET_CHECKSUM_VS_MEMCPY = 2.0  # issue 14.4: the checksum must cost well under a copy of the same bytes
