@@ -305,3 +305,24 @@ def test_a_residual_moves_while_its_anchor_waits_for_p(fabric: FakeFabric) -> No
     run_until_idle(sched, clock)
     assert [s for _, s, *_ in sched.stats.post_log][2:5] == ["anchor"] * 3  # the anchor's rest before the residual's
     assert [(e.stream, e.ok) for e in events] == [("anchor", True), ("residual", True)]
+
+
+def test_a_split_residual_waits_for_its_whole_anchor_under_layer_wise_publish(fabric: FakeFabric) -> None:
+    """A speculative request's residual does not use the link while its anchor waits for P: it would delay the
+    anchor that starts decoding. Once P published and D posted the whole anchor, the residual moves."""
+    sched, _, job, events, clock, _ = make(fabric, link_gbps=LINK_16K_PER_MS)
+    a, r = job("s", "anchor", 0, 64 * KB), job("s", "residual", 64 * KB, 64 * KB)
+    for j in (a, r):
+        j.order, j.ready = "split", 16 * KB
+        sched.submit(j)
+    for _ in range(10):
+        clock.t += sched.step() or 0.001
+    assert [(s, off) for _, s, off, _ in sched.stats.post_log] == [("anchor", 0)]  # the residual waited
+    sched.extend("s", {"anchor": 48 * KB})
+    for _ in range(10):
+        clock.t += sched.step() or 0.001
+    assert [s for _, s, *_ in sched.stats.post_log] == ["anchor"] * 3  # still not the whole anchor
+    sched.extend("s", {"anchor": None, "residual": None})
+    run_until_idle(sched, clock)
+    assert [s for _, s, *_ in sched.stats.post_log] == ["anchor"] * 4 + ["residual"] * 4
+    assert [(e.stream, e.ok) for e in events] == [("anchor", True), ("residual", True)]
