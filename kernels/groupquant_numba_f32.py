@@ -140,6 +140,26 @@ def _enc_scratch(g, d_n):
             np.empty(d_n, np.int32), np.empty(d_n, np.int32))
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _store_codes(ai, ri, residual, packed, codes, res, row):
+    """One row's codes into the planes (``row`` = token * num_heads + head): the residual's nibbles in pairs, the
+    anchor's in pairs (4-bit) or a byte each."""
+    d_n = ai.shape[0]
+    half = d_n // 2
+    if residual:
+        rv = res[row * half:(row + 1) * half]
+        for j in range(half):
+            rv[j] = np.uint8(ri[2 * j] | (ri[2 * j + 1] << 4))
+    if packed:
+        cv = codes[row * half:(row + 1) * half]
+        for j in range(half):
+            cv[j] = np.uint8(ai[2 * j] | (ai[2 * j + 1] << 4))
+    else:
+        cv = codes[row * d_n:(row + 1) * d_n]
+        for d in range(d_n):
+            cv[d] = np.uint8(ai[d])
+
+
 @njit(cache=True, error_model="numpy")
 def _enc_group_f32(src, tile_base, base_h, off_t, off_d, t_contig, d_contig, bs, t0, t1, h, num_heads, g, levels,
                    packed, residual, codes, scale_bits, mn_bits, res, w, pf):
@@ -148,10 +168,8 @@ def _enc_group_f32(src, tile_base, base_h, off_t, off_d, t_contig, d_contig, bs,
     metadata as vectors), so they vectorize; codes as int32 first, packed in a second loop. OK or FALLBACK."""
     yw, gmin, gmax, acc, mnv, sv, safe, span, q, okv, ai, ri = w
     d_n = off_d.shape[0]
-    half = d_n // 2
     n = t1 - t0
     lvf = np.float32(levels)
-    row_bytes = half if packed else d_n
     u0 = t0 % bs
     if d_contig and off_t[u0 + n - 1] - off_t[u0] == (n - 1) * d_n and u0 + n <= bs:
         # the group's rows are one token-major run of the cache (V tiles [BS, D]): read them in place
@@ -214,22 +232,11 @@ def _enc_group_f32(src, tile_base, base_h, off_t, off_d, t_contig, d_contig, bs,
                 z = _C7 if z > _C7 else z
                 ai[d] = np.int32(a)
                 ri[d] = np.int32(z + _C8)
-            r0 = ((t0 + r) * num_heads + h) * half
-            rv = res[r0:r0 + half]
-            for j in range(half):
-                rv[j] = np.uint8(ri[2 * j] | (ri[2 * j + 1] << 4))
         else:
             for d in range(d_n):
                 a = np.floor((yr[d] - mnv[d]) / safe[d] + _P5)
                 ai[d] = np.int32(lvf if a > lvf else a)
-        c0 = ((t0 + r) * num_heads + h) * row_bytes
-        cv = codes[c0:c0 + row_bytes]
-        if packed:
-            for j in range(half):
-                cv[j] = np.uint8(ai[2 * j] | (ai[2 * j + 1] << 4))
-        else:
-            for d in range(d_n):
-                cv[d] = np.uint8(ai[d])
+        _store_codes(ai, ri, residual, packed, codes, res, (t0 + r) * num_heads + h)
     return OK
 
 

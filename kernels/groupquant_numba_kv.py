@@ -27,6 +27,7 @@ from .groupquant_numba_f32 import (  # noqa: F401  (entry points re-exported)
     _meta_vec,
     _mixed_zero,
     _prefetch_lines,
+    _store_codes,
     decode_f32_kv,
     decode_f32_rows,
     decode_tensor,
@@ -96,9 +97,7 @@ def _enc_tokens_f32(src, tile_base, base_h, off_t, off_d, t_contig, d_contig, bs
     codes, with the per-row metadata as scalars. OK or FALLBACK."""
     yw, lo_v, hi_v, mnv, sv, safe, span, okv, mn16, s16, ai, ri, lo8, hi8, acc8 = w
     d_n = off_d.shape[0]
-    half = d_n // 2
     lvf = np.float32(levels)
-    row_bytes = half if packed else d_n
     t = t0
     while t < t1:
         u0 = t % bs
@@ -139,22 +138,11 @@ def _enc_tokens_f32(src, tile_base, base_h, off_t, off_d, t_contig, d_contig, bs
                     z = _C7 if z > _C7 else z
                     ai[d] = np.int32(a)
                     ri[d] = np.int32(z + _C8)
-                r0 = ((t + r) * num_heads + h) * half
-                rv = res[r0:r0 + half]
-                for j in range(half):
-                    rv[j] = np.uint8(ri[2 * j] | (ri[2 * j + 1] << 4))
             else:
                 for d in range(d_n):
                     a = np.floor((yr[d] - m) / sf + _P5)
                     ai[d] = np.int32(lvf if a > lvf else a)
-            c0 = ((t + r) * num_heads + h) * row_bytes
-            cv = codes[c0:c0 + row_bytes]
-            if packed:
-                for j in range(half):
-                    cv[j] = np.uint8(ai[2 * j] | (ai[2 * j + 1] << 4))
-            else:
-                for d in range(d_n):
-                    cv[d] = np.uint8(ai[d])
+            _store_codes(ai, ri, residual, packed, codes, res, (t + r) * num_heads + h)
         t += n
     return OK
 

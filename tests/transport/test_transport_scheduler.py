@@ -291,15 +291,25 @@ def test_pull_order_comes_from_the_modes_table() -> None:
         TransportConfig(order="lifo")
 
 
+def _layer_wise(fabric: FakeFabric, req: str, order: str):
+    """A paced scheduler with one request of ``order`` whose planes (64 KiB each) P has published 16 KiB of; the
+    last item holds the fake NIXL's memory (the caller keeps it alive while transfers run)."""
+    sched, _, job, events, clock, mem = make(fabric, link_gbps=LINK_16K_PER_MS)
+    for j in (job(req, "anchor", 0, 64 * KB), job(req, "residual", 64 * KB, 64 * KB)):
+        j.order, j.ready = order, 16 * KB
+        sched.submit(j)
+    return sched, events, clock, mem
+
+
+def _steps(sched: TransferScheduler, clock: Clock, n: int = 10) -> None:
+    for _ in range(n):
+        clock.t += sched.step() or 0.001
+
+
 def test_a_residual_moves_while_its_anchor_waits_for_p(fabric: FakeFabric) -> None:
     """Layer-wise publish (issue 15): a request's residual waits only while its own anchor has readable bytes."""
-    sched, _, job, events, clock, _ = make(fabric, link_gbps=LINK_16K_PER_MS)
-    a, r = job("w", "anchor", 0, 64 * KB), job("w", "residual", 64 * KB, 64 * KB)
-    for j in (a, r):
-        j.order, j.ready = "whole", 16 * KB
-        sched.submit(j)
-    for _ in range(10):
-        clock.t += sched.step() or 0.001
+    sched, events, clock, _mem = _layer_wise(fabric, "w", "whole")
+    _steps(sched, clock)
     assert [(s, off) for _, s, off, _ in sched.stats.post_log] == [("anchor", 0), ("residual", 0)]
     sched.extend("w", {"anchor": None, "residual": None})  # P published the rest
     run_until_idle(sched, clock)
@@ -310,17 +320,11 @@ def test_a_residual_moves_while_its_anchor_waits_for_p(fabric: FakeFabric) -> No
 def test_a_split_residual_waits_for_its_whole_anchor_under_layer_wise_publish(fabric: FakeFabric) -> None:
     """A speculative request's residual does not use the link while its anchor waits for P: it would delay the
     anchor that starts decoding. Once P published and D posted the whole anchor, the residual moves."""
-    sched, _, job, events, clock, _ = make(fabric, link_gbps=LINK_16K_PER_MS)
-    a, r = job("s", "anchor", 0, 64 * KB), job("s", "residual", 64 * KB, 64 * KB)
-    for j in (a, r):
-        j.order, j.ready = "split", 16 * KB
-        sched.submit(j)
-    for _ in range(10):
-        clock.t += sched.step() or 0.001
+    sched, events, clock, _mem = _layer_wise(fabric, "s", "split")
+    _steps(sched, clock)
     assert [(s, off) for _, s, off, _ in sched.stats.post_log] == [("anchor", 0)]  # the residual waited
     sched.extend("s", {"anchor": 48 * KB})
-    for _ in range(10):
-        clock.t += sched.step() or 0.001
+    _steps(sched, clock)
     assert [s for _, s, *_ in sched.stats.post_log] == ["anchor"] * 3  # still not the whole anchor
     sched.extend("s", {"anchor": None, "residual": None})
     run_until_idle(sched, clock)
