@@ -106,3 +106,23 @@ def test_default_anchor_fits_the_wire_budget() -> None:
         anchor_bits, full_bits = codec.bits_per_value(t, h, d, torch.float32)
         assert anchor_bits <= 4.6, (t, h, d, anchor_bits)
         assert full_bits == pytest.approx(anchor_bits + 4.0)
+
+
+@pytest.mark.parametrize(("h", "d"), SHAPES)
+def test_default_anchor_plane_is_int4_kivis_plane(h: int, d: int) -> None:
+    """The default anchor is int4_kivi's format byte for byte (K channel/64, V per token, the same fp16 metadata):
+    the benchmarks read int4_kivi's accuracy rows as the anchor's (benchmarks/README.md, "Anchor format")."""
+    t = 3 * BS + 7
+    k, v, _ = _kv(t, h, d, seed=7 * d + h)
+    layout = KVLayout.cpu(h, BS, d, torch.float32, isa="vec")
+    ids = [4, 0, 2, 1]
+    src = torch.zeros(6, h, BS, 2 * d)
+    layout.scatter(src, ids, t, k, v)
+    planes = []
+    for name in ("lynx", "int4_kivi"):
+        codec = get_codec(name)
+        na, nr = plane_nbytes(codec, layout, t)
+        anchor = torch.zeros(na, dtype=torch.uint8)
+        encode(codec, src, ids, layout, t, anchor, torch.zeros(nr, dtype=torch.uint8) if nr else None)
+        planes.append(anchor)
+    assert torch.equal(planes[0], planes[1])
