@@ -15,11 +15,8 @@ Rule (``TransportConfig.order``), first match wins, ties by queueing order:
 1. the anchor of a ``split`` request (it starts decoding), in queueing order;
 2. one tier of units that each unblock output when they land: the residual of a ``split`` request whose anchor
    is fully posted, and each ``whole`` request (its anchor, then its residual). A request's residual waits while
-   its own anchor has readable bytes to post. With P publishing layer by layer (issue 15) a ``whole`` request's
-   residual moves while its anchor waits for P (it needs both planes: idle link time is pure gain), a ``split``
-   request's does not: on a link slower than P's publishing, residual chunks slipped in at each catch-up delay
-   the anchor that starts decoding (in the e2e run of 12-01, before this rule, no pipelined speculative request
-   decoded on its anchor at 2x, and at 10x its TTFT was 1.10x int4's for the same anchor bytes).
+   its own anchor has readable bytes to post; with P publishing layer by layer (issue 15) it moves while the
+   anchor waits for P (a ``split`` request's in slices of one pipeline poll of link time: scheduler.py).
    ``srpt`` (the default): the
    unit with the fewest bytes left to post first; ``arrival``: the unit that became ready first (a ``whole``
    request when it was queued, a ``split`` residual when its anchor was fully posted).
@@ -61,11 +58,9 @@ def _unit_left(job: StreamJob, sibling: StreamJob | None) -> int:
 def rank(job: StreamJob, sibling: StreamJob | None, now: float, order: str,
          max_wait_s: float) -> tuple | None:
     """The sort key of ``job`` (smaller goes first), or None when it may not be posted yet (a residual whose own
-    anchor has readable bytes still to post, or, for a split request, is not fully posted). ``sibling``: the
-    request's other queued stream, if any."""
-    if job.stream == RESIDUAL and sibling is not None and (
-            sibling.postable > 0 or (job.order == SPLIT and sibling.posted < sibling.nbytes)):
-        return None  # a request's readable anchor bytes go before its residual; a split one's whole anchor
+    anchor has readable bytes still to post). ``sibling``: the request's other queued stream, if any."""
+    if job.stream == RESIDUAL and sibling is not None and sibling.postable > 0:
+        return None  # a request's readable anchor bytes always go before its residual
     first = job.stream != ANCHOR
     if order == "anchor_first":
         return (EARLY if job.stream == ANCHOR else UNIT, job.seq)

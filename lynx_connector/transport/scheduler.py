@@ -106,6 +106,11 @@ class TransferScheduler:
         self._emitted = False
         self.stats = SchedulerStats()
         rate = config.link_bytes_per_s
+        # A speculative (split) request's residual fills the link while its anchor waits for P (layer-wise publish)
+        # in slices of at most one pipeline poll of link time: D learns of the anchor's next layer at its next
+        # poll, so the anchor that starts decoding waits behind at most about that much residual (a whole chunk
+        # is 2.8 s of a 0.003 Gbit/s link). Unpaced, the in-flight window bounds it.
+        self._slice = 0 if rate is None else max(4096, int(rate * config.pipeline_poll_s))
         self._bucket = (
             None
             if rate is None
@@ -194,6 +199,8 @@ class TransferScheduler:
                 wait = self.hold_until - now
                 break
             n = min(self._cfg.chunk_bytes, job.postable)
+            if self._slice and job.stream == RESIDUAL and job.order == SPLIT and job.t_ready is None:
+                n = min(n, self._slice)  # its anchor waits for P: fill the idle link in slices it overtakes soon
             if self.inflight_bytes and self.inflight_bytes + n > self._cfg.window_bytes:
                 break
             if self._bucket is not None:

@@ -291,10 +291,10 @@ def test_pull_order_comes_from_the_modes_table() -> None:
         TransportConfig(order="lifo")
 
 
-def _layer_wise(fabric: FakeFabric, req: str, order: str):
+def _layer_wise(fabric: FakeFabric, req: str, order: str, **cfg):
     """A paced scheduler with one request of ``order`` whose planes (64 KiB each) P has published 16 KiB of; the
     last item holds the fake NIXL's memory (the caller keeps it alive while transfers run)."""
-    sched, _, job, events, clock, mem = make(fabric, link_gbps=LINK_16K_PER_MS)
+    sched, _, job, events, clock, mem = make(fabric, link_gbps=LINK_16K_PER_MS, **cfg)
     for j in (job(req, "anchor", 0, 64 * KB), job(req, "residual", 64 * KB, 64 * KB)):
         j.order, j.ready = order, 16 * KB
         sched.submit(j)
@@ -317,16 +317,22 @@ def test_a_residual_moves_while_its_anchor_waits_for_p(fabric: FakeFabric) -> No
     assert [(e.stream, e.ok) for e in events] == [("anchor", True), ("residual", True)]
 
 
-def test_a_split_residual_waits_for_its_whole_anchor_under_layer_wise_publish(fabric: FakeFabric) -> None:
-    """A speculative request's residual does not use the link while its anchor waits for P: it would delay the
-    anchor that starts decoding. Once P published and D posted the whole anchor, the residual moves."""
-    sched, events, clock, _mem = _layer_wise(fabric, "s", "split")
-    _steps(sched, clock)
-    assert [(s, off) for _, s, off, _ in sched.stats.post_log] == [("anchor", 0)]  # the residual waited
-    sched.extend("s", {"anchor": 48 * KB})
-    _steps(sched, clock)
-    assert [s for _, s, *_ in sched.stats.post_log] == ["anchor"] * 3  # still not the whole anchor
-    sched.extend("s", {"anchor": None, "residual": None})
+def test_a_split_residual_fills_the_link_in_slices_while_its_anchor_waits_for_p(fabric: FakeFabric) -> None:
+    """A speculative request's residual uses the link while its anchor waits for P, in slices of one pipeline poll
+    of link time (here the 4 KiB floor), so the anchor's next layer waits behind at most one slice; once the whole
+    anchor is posted the residual moves in whole chunks again."""
+    sched, events, clock, _mem = _layer_wise(fabric, "s", "split", pipeline_poll_s=0.0001)
+    _steps(sched, clock, 6)
+    log = [(s, n) for _, s, _, n in sched.stats.post_log]
+    assert log[0] == ("anchor", 16 * KB) and len(log) > 2
+    assert all(s == "residual" and n == 4 * KB for s, n in log[1:])  # slices, not a 16 KiB chunk
+    k = len(log)
+    sched.extend("s", {"anchor": None, "residual": None})  # P published the rest
+    sched.step()
+    assert sched.stats.post_log[k][1] == "anchor"  # the anchor goes at once
     run_until_idle(sched, clock)
-    assert [s for _, s, *_ in sched.stats.post_log] == ["anchor"] * 4 + ["residual"] * 4
+    log = [(s, n) for _, s, _, n in sched.stats.post_log]
+    last_anchor = max(i for i, (s, _) in enumerate(log) if s == "anchor")
+    assert all(s == "residual" for s, _ in log[last_anchor + 1:]) and log[-1][1] <= 16 * KB
+    assert any(n == 16 * KB for s, n in log[last_anchor + 1:])  # whole chunks once the anchor is posted
     assert [(e.stream, e.ok) for e in events] == [("anchor", True), ("residual", True)]
