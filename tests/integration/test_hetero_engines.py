@@ -139,7 +139,9 @@ def test_bf16_p_block_128_to_fp32_d_block_32(model, prompts):
     P's bf16 planes exactly (widening) and a quantized mode's fp32 reconstruction."""
     from lynx_connector.lab.data import needle_found
 
-    p = EngineProcess(model, lynx_kv_config("full"), cpu="0", block_size=128, dtype="bfloat16")
+    # lease_s: this harness lets D pull only after P's generate of every prompt returned, and a bf16 P without
+    # native bf16 (AVX2-only CPUs) took over the default test lease of 60 s for three prompts
+    p = EngineProcess(model, lynx_kv_config("full", lease_s=600), cpu="0", block_size=128, dtype="bfloat16")
     try:
         d = decode_engine(model)
         try:
