@@ -166,6 +166,11 @@ class LynxConfig:
     transfer_order: str = "srpt"
     #: The ranking's age bound on D: a stream queued this many seconds goes first, oldest first.
     max_stream_wait_s: float = 5.0
+    #: D: an engine step with nothing to compute while pulls are in flight waits up to this long for one of them
+    #: to land (it returns the moment one does), instead of returning at once: vLLM runs such empty steps in a
+    #: busy loop, which takes the CPU from a P on the same machine (the concurrent flow's D waits through P's whole
+    #: prefill). A request arriving at an idle D meanwhile waits at most this long; 0 = no wait. Seconds, <= 1.
+    idle_wait_s: float = 0.02
     #: ``auto`` (P): the configured link's rate is used when ``link_gbps`` is set; otherwise P measures it from
     #: the transfers D completed within this many recent seconds (none yet: passthrough).
     auto_window_s: float = 30.0
@@ -196,6 +201,8 @@ class LynxConfig:
 
         if self.transfer_order not in ORDERS:
             raise LynxConfigError(f"transfer_order: expected one of {', '.join(ORDERS)}, got {self.transfer_order!r}")
+        if not 0.0 <= self.idle_wait_s <= 1.0:
+            raise LynxConfigError(f"idle_wait_s: must be in [0, 1] seconds, got {self.idle_wait_s!r}")
         if self.window_bytes < self.chunk_bytes:
             raise LynxConfigError(
                 f"window_bytes ({self.window_bytes}) must be >= chunk_bytes ({self.chunk_bytes})"
@@ -260,7 +267,8 @@ class LynxConfig:
             if key in extra:
                 kw[key] = _as_int(key, extra[key], minimum=lo, maximum=hi)
         for key, lo in (("lease_s", 0.1), ("timeout_s", 0.1), ("speculative_min_margin", 0.0),
-                        ("concurrent_wait_s", 1.0), ("max_stream_wait_s", 0.001), ("auto_window_s", 0.1)):
+                        ("concurrent_wait_s", 1.0), ("max_stream_wait_s", 0.001), ("auto_window_s", 0.1),
+                        ("idle_wait_s", 0.0)):
             if key in extra:
                 kw[key] = _as_float(key, extra[key], minimum=lo, allow_none=key == "lease_s")
         if "side_channel_host" in extra:

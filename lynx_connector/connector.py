@@ -125,6 +125,9 @@ class LynxConnector(KVConnectorBase_V1):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
         worker = self._worker()
+        meta = self._get_connector_metadata()
+        if isinstance(meta, LynxConnectorMetadata):
+            worker.wait_idle(meta)  # D, an empty step with pulls in flight: until one lands, bounded
         worker.poll()
         done, failed = worker.take_results()
         return KVConnectorTransferResults(finished_sending=worker.finished_sending(finished_req_ids),

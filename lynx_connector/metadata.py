@@ -103,6 +103,9 @@ class LynxConnectorMetadata(KVConnectorMetadata):
     #: the worker names it in its side channel's Regions answers (a speculative D of the concurrent flow
     #: releases its first token on it, docs/PROTOCOL.md section 6).
     first_tokens: dict[str, int] = field(default_factory=dict)
+    #: No tokens are computed in this step: D's worker may wait (``idle_wait_s``) for a pull to land instead of
+    #: returning at once into vLLM's busy loop of empty steps.
+    idle: bool = False
     #: Test only: fault hooks of the pulls started in this step (``lynx_connector.testing``; empty in production).
     test_hooks: dict[str, dict[str, Any]] = field(default_factory=dict)
 

@@ -360,6 +360,13 @@ class ReceiveHalf:
         self.sink.release(req_id)
         self.sink.pool.free_request(req_id)
 
+    def wait_idle(self, meta: LynxConnectorMetadata) -> None:
+        """On a step with nothing to compute while pulls are in flight: wait up to ``idle_wait_s`` for one to land
+        (returns the moment one does), so that vLLM's loop of empty steps does not spin meanwhile."""
+        if (meta.idle and self.sink is not None and self.config.idle_wait_s > 0
+                and (self._recvs or self._recv_waiting) and not (meta.reqs_to_recv or meta.recv_aborted)):
+            self.sink.wait(self.config.idle_wait_s)
+
     def take_results(self) -> tuple[set[str], set[str]]:
         done, failed = self._finished_recving, self._failed_recving
         self._finished_recving, self._failed_recving = set(), set()

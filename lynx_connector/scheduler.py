@@ -349,6 +349,7 @@ class LynxConnectorScheduler:
             recv_cancelled=self._recv_cancelled,
             test_hooks=self._faults.take_outgoing(),
             first_tokens=self._first_tokens_due,
+            idle=not any(scheduler_output.num_scheduled_tokens.values()),
         )
         self._recv_pending, self._save_aborted, self._recv_aborted, self._recv_cancelled = [], [], [], []
         self._first_tokens_due = {}

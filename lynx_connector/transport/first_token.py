@@ -31,6 +31,7 @@ class FirstTokenFollower:
     _pulls: dict[str, PullState]
     _peers: dict[Any, PeerLink]
     _ev_lock: threading.Lock
+    _ev_cond: threading.Condition
     _resent: int
 
     def _init_first_tokens(self) -> None:
@@ -58,8 +59,9 @@ class FirstTokenFollower:
             return
         pull.first_token = msg.first_token
         self._tokens_seen += 1
-        with self._ev_lock:
+        with self._ev_cond:
             self._first_tokens.append((pull.req_id, msg.first_token))
+            self._ev_cond.notify_all()
 
     def _on_token_reply(self, pull: PullState, msg: proto.Message) -> None:
         """P's answer to a query asked only for the first token (every byte of the pull is readable already)."""

@@ -31,6 +31,8 @@ class ReplyHandlers:
     _pulls: dict[str, PullState]
     _peers: dict[Any, PeerLink]
     _ev_lock: Any
+    _ev_cond: Any
+    _courier: Any
     _staged: list[str]
 
     def _on_plain(self, peer: PeerLink, msg: proto.Message) -> None:
@@ -153,8 +155,9 @@ class ReplyHandlers:
         if pull.held:  # watched: P holds it now; D's staging comes with `attach`, P's lease renewed meanwhile
             pull.state, pull.generation = "staged", msg.generation
             pull.deadline = time.monotonic() + 2 * self.config.timeout_s  # the caller's own wait ends first
-            with self._ev_lock:
+            with self._ev_cond:
                 self._staged.append(pull.req_id)
+                self._ev_cond.notify_all()
             return
         pull.state, pull.generation = "transferring", msg.generation
         ready = self._ready(pull, msg)

@@ -82,6 +82,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower):
         self._staged: list[str] = []  # watched pulls P has staged, not yet taken by `staged()`
         self._sched_events: list[TransferEvent] = []  # service-thread only
         self._ev_lock = threading.Lock()
+        self._ev_cond = threading.Condition(self._ev_lock)  # `wait` wakes on every event, staged or first token
         self._active: set[str] = set()  # pulled and not yet forgotten (caller-side duplicate check)
         self._peers: dict[Addr, PeerLink] = {}
         self._pulls: dict[str, PullState] = {}
@@ -193,6 +194,19 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower):
         self._cmd(("pull", PullState(req_id, (host, port), transfer_id, token, a, r, now,
                                      now + (self.config.timeout_s if wait_s is None else wait_s),
                                      early=wait_s is not None, order=order, held=held)))
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds until there is news for the caller (an event, a staged pull or a first
+        token not yet taken); True when there is. D's worker waits here on an engine step with nothing to compute,
+        instead of returning at once into a busy loop of empty steps (which takes the CPU from P's prefill where
+        they share a machine): it wakes the moment a stream lands."""
+        with self._ev_cond:
+            if not self._has_news():
+                self._ev_cond.wait(timeout)
+            return self._has_news()
+
+    def _has_news(self) -> bool:
+        return bool(self._events or self._staged or self._first_tokens)
 
     def poll(self) -> list[TransferEvent]:
         """Events since the last poll."""
@@ -438,8 +452,9 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower):
             self._publish([dataclasses.replace(ev, generation=pull.generation)])  # after the bookkeeping: a terminal event means the req_id is free again
 
     def _publish(self, events: list[TransferEvent]) -> None:
-        with self._ev_lock:
+        with self._ev_cond:
             self._events.extend(events)
+            self._ev_cond.notify_all()
 
     def _finish(self, pull: PullState) -> None:
         self._pulls.pop(pull.req_id, None)

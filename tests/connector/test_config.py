@@ -38,6 +38,9 @@ def test_strings_are_parsed_as_numbers():
     ({"allowed_modes": 3}, "allowed_modes"),
     ({"allowed_modes": ["int4"]}, "allowed_modes"),  # must include the instance's own mode (full)
     ({"params_ttl_s": 0.5}, "params_ttl_s"),
+    ({"idle_wait_s": -0.01}, "idle_wait_s"),
+    ({"idle_wait_s": 5}, "idle_wait_s"),
+    ({"idle_wait_s": "soon"}, "idle_wait_s"),
 ])
 def test_bad_values_name_the_key(extra, key):
     with pytest.raises(LynxConfigError, match=key):

@@ -591,3 +591,32 @@ def test_concurrent_speculative_pull_reports_p_first_token_in_worker_meta(pair):
     assert all(torch.equal(d_caches[n], full[n]) for n in d_caches)
     assert d.take_worker_meta() is None  # reported once
     assert_staging_freed(p, d)
+
+
+def test_an_empty_step_waits_for_a_pull_to_land_only_while_one_is_in_flight(pair):
+    """``idle_wait_s``: on a step with nothing to compute (``meta.idle``) D's worker blocks in the sink's wait while
+    a pull is in flight, never when nothing is in flight, when the step computes, or when it starts pulls; and the
+    pull it waited for is applied by the same step's poll."""
+    make, _ = pair
+    (p, _), (d, _) = make("kv_producer"), make("kv_consumer", idle_wait_s=0.5)
+    waits: list[float] = []
+    real_wait = d.sink.wait
+    d.sink.wait = lambda timeout: waits.append(timeout) or real_wait(timeout)  # type: ignore[method-assign]
+    d.wait_idle(LynxConnectorMetadata(idle=True))
+    assert waits == []  # nothing in flight
+    publish(p, "full")
+    start = LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, "full")], idle=True)
+    d.start_load(start)
+    d.wait_idle(start)
+    d.wait_idle(LynxConnectorMetadata(idle=False))
+    assert waits == []  # a step that starts pulls, or computes, never waits
+    done: set[str] = set()
+    end = time.monotonic() + 10
+    while "d1" not in done:
+        assert time.monotonic() < end, "pull did not land"
+        p.poll()
+        d.wait_idle(LynxConnectorMetadata(idle=True))
+        d.poll()
+        done.update(d.take_results()[0])
+    assert waits and all(w == 0.5 for w in waits)
+    assert_staging_freed(p, d)

@@ -116,6 +116,25 @@ def test_malformed_and_incompatible_handshakes_rejected(source, sink: TransferSi
     sink.pool.free_request("b1")
 
 
+
+def test_wait_returns_when_a_stream_lands_and_times_out_when_nothing_does(source, sink: TransferSink) -> None:
+    """`TransferSink.wait` (D's worker on an empty engine step): it returns False after its timeout with nothing in
+    flight, and True as soon as an event is there, well before a long timeout; nothing is consumed by waiting."""
+    _, conn, addr = source
+    t0 = time.monotonic()
+    assert sink.wait(0.2) is False
+    assert 0.15 <= time.monotonic() - t0 < 5.0
+    call(conn, "stage", [("w1", 2 * MB, 2 * MB, 21)], True)
+    st = sink.pool.alloc_request("w1", 2 * MB, 2 * MB)
+    sink.pull("w1", *addr, *ticket(conn, "w1"), st.anchor, st.residual)
+    t0 = time.monotonic()
+    assert sink.wait(30.0) is True
+    assert time.monotonic() - t0 < 20.0
+    assert sink.wait(30.0) is True  # not consumed: poll() takes the events
+    evs = [e for _, e in wait_events(sink, 2, 30)]
+    assert all(e.ok for e in evs), evs
+    sink.pool.free_request("w1")
+
 @pytest.fixture(scope="module")
 def paced_sink() -> Iterator[TransferSink]:
     s = TransferSink(TransportConfig(pool_bytes=96 * MB, timeout_s=3.0, link_gbps=0.4, key=TEST_KEY), COMPAT)
