@@ -255,6 +255,13 @@ class DoneCourier:
         self._owed.pop((addr, transfer_id), None)
         self._tokens.pop((addr, transfer_id), None)
 
+    def resume(self, addr: Addr, now: float) -> None:
+        """A session with ``addr`` is (again) up: the Dones owed to it are due at once, with their back-off reset
+        (those sent while the session was down were refused unread)."""
+        for key, st in self._owed.items():
+            if key[0] == addr:
+                st[0], st[1] = now, self._resend_s
+
     def owed_to(self, addr: Addr) -> bool:
         return any(a == addr for a, _ in self._owed)
 

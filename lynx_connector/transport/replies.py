@@ -112,6 +112,7 @@ class ReplyHandlers:
         self._security["handshakes"] += 1
         logger.info("lynx sink: handshake with %s:%s done (agent %s%s)", *peer.addr, peer.agent,
                     ", reconnected" if peer.reconnects else "")
+        self._courier.resume(peer.addr, time.monotonic())  # Dones refused while the session was down
         for pull in self._pulls_of(peer):
             if pull.state not in ("transferring", "staged"):  # a staged pull's lease: KeepAlives (gone = fail)
                 self._query(pull)

@@ -263,3 +263,24 @@ def test_an_idle_pause_between_requests_is_not_silence(pair) -> None:
         assert all(e.ok for e in collect(sink, 2))
         time.sleep(1.2)  # reconnect_s = 0.8 s in this fixture
     assert sink.stats()["reconnects"] == 0 and sink.stats()["resent"] == 0
+
+
+def test_dones_owed_to_a_peer_are_due_at_once_when_its_session_resumes() -> None:
+    """`DoneCourier.resume`: a Done sent while P had dropped the session was refused unread; once the handshake
+    is done again, it (and only those owed to that peer) is sent at once with the back-off reset, instead of
+    after a back-off that may have grown to seconds."""
+    from lynx_connector.transport.link import DoneCourier
+
+    c = DoneCourier(resend_s=0.2, give_up_s=60.0)
+    p, other = ("127.0.0.1", 5000), ("127.0.0.1", 5001)
+    c.owe(p, ("a" * 32, "t" * 32), now=0.0)
+    c.owe(other, ("b" * 32, "u" * 32), now=0.0)
+    for t in (0.2, 0.61, 1.42):  # refused while the session was down: the back-off grows
+        assert len(c.due(t)) == 2
+    assert c.next_time() == pytest.approx(3.02)
+    c.resume(p, now=1.5)
+    assert c.due(1.5) == [(p, ("a" * 32, "t" * 32))]
+    assert c.next_time() == pytest.approx(1.9)  # p's back-off restarted (0.2 -> 0.4); the other peer's unchanged
+    assert c.due(1.91) == [(p, ("a" * 32, "t" * 32))]
+    c.ack(p, "a" * 32)
+    assert c.due(3.05) == [(other, ("b" * 32, "u" * 32))]
