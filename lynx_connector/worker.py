@@ -39,7 +39,7 @@ from lynx_connector.metadata import (
     LynxWorkerMeta,
     SaveSpec,
 )
-from lynx_connector.modes import LYNX_CODEC, get_mode
+from lynx_connector.modes import LYNX_CODEC, get_mode, is_mode
 from lynx_connector.receiving import ReceiveHalf
 from lynx_connector.saving import SaveQueue
 from lynx_connector.stats import LynxStats, TransportExporter
@@ -131,10 +131,31 @@ class LynxConnectorWorker(ReceiveHalf):
         if self.is_consumer:
             self.sink = TransferSink(self.config.transport_config(self.tp_rank, self._key, name + "-dst"), compat,
                                      name=name + "-dst", status_extra=self._status_counters)
+        self._warm_up()
         logger.info("LynxConnector worker ready: %d layers, layout %s, mode %s, role %s, side channel %s",
                     len(self.layers), self.layout, self.config.mode,
                     self.vllm_config.kv_transfer_config.kv_role,
                     self.source.address if self.source else None)
+
+    def _warm_up(self) -> None:
+        """Compile (or load from numba's / Triton's disk cache) the kernels of every codec this instance may use,
+        before the engine serves: else the first request pays it inside P's forward or D's pull
+        (codec/warmup.py). A failure is logged, never fatal: the request would meet it again and fail alone."""
+        from lynx_connector.codec.warmup import warm_up
+
+        assert self.layout is not None
+        done: set[str] = set()
+        for mode in self.config.allowed_modes:
+            if not is_mode(mode) or get_mode(mode).codec in done:  # auto is no codec
+                continue
+            codec = self._codec(mode)
+            done.add(codec.name)
+            try:
+                seconds = warm_up(codec, self.layout, self.layers[0][1])
+            except Exception as exc:
+                logger.warning("LynxConnector: warming up codec %s failed: %s", codec.name, exc)
+                continue
+            logger.debug("LynxConnector: codec %s warmed up in %.2fs", codec.name, seconds)
 
     def _status_counters(self) -> dict[str, Any]:
         """The worker's queues for the status file (read from a transport thread: sizes only)."""
