@@ -167,3 +167,30 @@ def test_flow_sequential_never_pipelines(monkeypatch) -> None:
 
     run_scenario([p], [d], scenario, flow="sequential")
     assert all("lynx_flow" not in json.dumps(body) for body in p.received + d.received)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_leaving_cancels_p_and_d_and_the_next_request_reaches_both(monkeypatch, stream) -> None:
+    """A client that leaves while P is still working: both calls are cancelled (P and D abort the request), and the
+    next request reaches P and D again (a cancelled call leaves no connection or slot behind)."""
+    _with_key(monkeypatch)
+    p, d = TimedFake("prefill", delay=1.0), TimedFake("decode", delay=1.5)
+
+    async def scenario(session, url):
+        async with _post(session, url, BODY) as resp:  # the proxy learns P
+            assert resp.status == 200
+        for _ in range(2):
+            try:
+                await asyncio.wait_for(_post(session, url, {**BODY, "stream": stream}), 0.3)
+            except TimeoutError:
+                pass  # the client left
+        await asyncio.sleep(0.2)
+        async with _post(session, url, BODY) as resp:
+            assert resp.status == 200, await resp.text()
+        async with session.get(url + "/lynx/stats") as resp:
+            stats = await resp.json()
+        assert stats["flows"]["pipelined"] == 3, stats
+
+    run_scenario([p], [d], scenario, flow="pipelined")
+    assert len(p.arrived) == len(d.arrived) == 4
+    assert p.cancelled == 2 and d.cancelled == 2

@@ -18,7 +18,7 @@ import pytest
 
 from tests.integration.test_load_recovery import Pair, assert_idle, complete
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # a hang costs CI 10 min, not 25
 
 TIMEOUT_S = 8.0  # D gives up on a P that publishes nothing more for this long
 WAIT_S = 20.0  # concurrent_wait_s: how long D waits for P to start publishing
@@ -136,16 +136,23 @@ def test_pipelined_flow_equals_sequential_for_every_mode(dep):
 
 
 def test_client_leaving_before_p_finished_leaves_nothing_behind(dep):
-    prompt = _prompt(140, seed=3)
+    warm = complete(dep.url, dep.model, _prompt(4, seed=2), "full", max_tokens=2)  # the proxy learns P
+    assert warm["ok"], warm
+    before = _stats(dep.url)["flows"]["pipelined"]
+    # ~800 tokens: P's forward takes seconds on a 2-core CPU, so both clients leave during it; P cannot stop a
+    # forward midway (vLLM aborts between steps), so a much longer prompt would keep P busy past the next
+    # request's concurrent_wait_s and fail it for a reason that is not under test
+    prompt = _prompt(40, seed=3)
     body = json.dumps({"model": dep.model, "prompt": prompt, "max_tokens": 64, "temperature": 0,
                        "stream": True, "kv_transfer_params": {"lynx_mode": "speculative"}}).encode()
     host, port = dep.url.split("//")[1].split(":")
-    for delay in (0.3, 1.0):  # during P's prefill, and around the transfer
+    for delay in (0.3, 1.0):  # during P's prefill
         with socket.create_connection((host, int(port)), timeout=10) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             time.sleep(delay)
         # closed: the proxy cancels the calls to P and D
+    assert _stats(dep.url)["flows"]["pipelined"] - before == 2  # both left in the pipelined flow
     assert_idle(dep)
     ok = complete(dep.url, dep.model, _prompt(20, seed=4), "speculative")
     assert ok["ok"], ok
