@@ -148,8 +148,8 @@ class LynxConnectorWorker(ReceiveHalf):
         for mode in self.config.allowed_modes:
             if not is_mode(mode) or get_mode(mode).codec in done:  # auto is no codec
                 continue
+            done.add(get_mode(mode).codec)
             codec = self._codec(mode)
-            done.add(codec.name)
             try:
                 seconds = warm_up(codec, self.layout, self.layers[0][1])
             except Exception as exc:
