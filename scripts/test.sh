@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything (project venv, dependencies, the real model in the user's cache) and run the test suite.
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`; `--extended` adds the extended tier
+# (tests/conftest.py; README "Tests").
 # The suite includes the package as users install it: the wheel built, installed non-editable into a fresh venv
 # that borrows .venv's dependencies, every module imported and one real P/D request served from that install
 # (tests/test_packaging.py, tests/test_wheel_install.py; scripts/wheel_smoke.sh runs only these).

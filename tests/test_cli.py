@@ -130,6 +130,7 @@ def _connector_complete() -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_lynx_serve_with_preset(tmp_path: Path) -> None:
     """``lynx serve MODEL --kv-transfer-config lynx`` in a fresh process: the preset is expanded and vLLM
     creates LynxConnector; once the connector is complete the server must also become healthy."""

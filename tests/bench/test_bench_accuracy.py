@@ -72,6 +72,7 @@ def test_summarize_against_reference() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(900)
 def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
     from lynx_connector.lab.models import is_prepared

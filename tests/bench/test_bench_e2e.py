@@ -129,6 +129,7 @@ QUICK_MODES = ("bf16", "int4", "full", "speculative")
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(900)
 def test_quick_run_writes_the_documented_json(tmp_path: Path) -> None:
     from lynx_connector.lab.models import is_prepared

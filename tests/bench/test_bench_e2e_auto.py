@@ -176,6 +176,7 @@ def test_cli_accepts_auto_and_concurrency_8() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(900)
 def test_quick_run_with_auto_names_each_choice(tmp_path) -> None:
     """The real thing: P's log line and counter as the bench reads them, and the proxy's flow counts."""

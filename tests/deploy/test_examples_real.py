@@ -161,6 +161,7 @@ def _servers(*servers: Server) -> Iterator[None]:
                 s.stop()
 
 
+@pytest.mark.extended  # the launcher test below starts the same 1P1D; tests/deploy/test_launcher_script.py covers the script
 def test_example_script_for_real(model: str, tmp_path: Path) -> None:
     """run_1p1d.sh as its header says: P and D with the launcher's arguments (block size 32) and environment,
     the proxy, one request; D pulled the KV. While it is up, a D started with vLLM's own entry point and its
@@ -274,6 +275,7 @@ def _image_command(container: dict[str, Any], variables: dict[str, str], port: i
     return [str(BIN / entry[0]), *argv]
 
 
+@pytest.mark.extended  # vLLM compiles the model (torch.compile, as the image runs it): about 3 min of start-up
 def test_image_command_for_real(model: str, tmp_path: Path) -> None:
     """P, D and the proxy as the image runs them in examples/k8s/1p1d.yaml: no engine flag but the manifest's
     (the model's dtype, vLLM's block size and compilation, the ConfigMap's mode), memory from ``lynx serve``."""

@@ -62,6 +62,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.netns
 @needs_netns
 @pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")
@@ -99,6 +100,7 @@ def _wait_blocks_free(dep: Deployment, within: float) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.netns
 @needs_netns
 @pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")

@@ -11,7 +11,7 @@ import pytest
 
 from tests.integration.test_servers import post
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(1200)]
 
 LEASE_S = 300.0  # idle must come from the children's Dones, long before a lease could free anything
 IDLE_WITHIN_S = 45.0

@@ -14,7 +14,7 @@ import pytest
 
 from tests.integration.engines import EngineProcess, SpecEngine, lynx_kv_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(1500)]
 
 MAX_TOKENS = 12
 

@@ -168,6 +168,7 @@ def test_prefill_silent_then_resumed_loses_nothing(dep, prompts):
     assert_idle(dep)
 
 
+@pytest.mark.extended  # the deadline itself: unit tests of the sink's timers; a silent P that resumes stays core
 def test_prefill_silent_past_the_deadline_fails_only_that_request(dep, prompts):
     res, took = pull_with_p_stopped(dep, prompts[1], TIMEOUT_S + 4)
     assert not res["ok"] and took < TIMEOUT_S + 30  # failed by D's deadline (policy "fail"), not hung
@@ -176,6 +177,7 @@ def test_prefill_silent_past_the_deadline_fails_only_that_request(dep, prompts):
     assert_idle(dep)
 
 
+@pytest.mark.extended  # core: P killed mid-prefill in test_pipelined_engines.py and a vanished P in test_pd_engines.py
 def test_prefill_killed_and_restarted_next_requests_succeed(dep, prompts):
     assert all(r["ok"] for r in burst(dep, prompts, 4))
     dep.dep.restart_prefill()  # same HTTP and side-channel ports, a new NIXL agent

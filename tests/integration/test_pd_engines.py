@@ -152,7 +152,7 @@ def test_kv_beyond_the_codecs_range_fails_that_request_only(engines, prompts):
     assert needle_found(prompts[1].answer, again[0]["text"]), again[0]["text"]
 
 
-@pytest.mark.parametrize("policy", ["fail", "recompute"])
+@pytest.mark.parametrize("policy", ["fail", pytest.param("recompute", marks=pytest.mark.extended)])
 def test_vanished_prefill_ends_in_the_failure_policy(model, prompts, policy):
     from lynx_connector.lab.data import needle_found
 

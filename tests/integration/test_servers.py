@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 
 from tests.integration.engines import EngineProcess, lynx_kv_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 8
 PROBES = "tests.integration.trust_probes:state"

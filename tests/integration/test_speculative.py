@@ -117,6 +117,7 @@ def test_greedy_speculative_equals_full(engines, prompts, delay, record_property
 
 
 @pytest.mark.parametrize("delay", [3, CAP + 4], ids=["after-3-tokens", "after-the-cap"])
+@pytest.mark.extended
 def test_first_token_from_prefill_released_on_the_anchor(engines, prompts, delay):
     """Greedy without logprobs: D's first token on the anchor equals the token P sampled at full precision, so it
     is released at once and verification starts after it. Outputs still equal full mode's."""
@@ -135,6 +136,7 @@ def test_first_token_from_prefill_released_on_the_anchor(engines, prompts, delay
         assert c["speculated"] == min(delay - 1, CAP) and c["accepted"] + c["rejected"] == c["speculated"]
 
 
+@pytest.mark.extended
 def test_eos_and_max_tokens_during_speculation(engines, prompts):
     """The short needle answers end in EOS while decoding on the anchor; max_tokens=5 is reached there too.
     Stops are judged on verified tokens only: outputs and finish reasons equal full mode's."""
@@ -237,6 +239,7 @@ def test_other_modes_on_a_speculative_decode_instance(engines, prompts):
         assert out[0]["token_ids"] and counters(out[0]) is None
 
 
+@pytest.mark.extended
 def test_acceptance_rate_on_real_prompts(engines, prompts, record_property):
     """Measured, not asserted against the paper's 85%: acceptance of tokens decoded on the anchor (cap 16)."""
     p, d = engines
@@ -249,6 +252,7 @@ def test_acceptance_rate_on_real_prompts(engines, prompts, record_property):
     assert spec == CAP * len(ids)
 
 
+@pytest.mark.extended
 def test_recompute_policy_after_residual_failure(model, engines, prompts):
     """kv_load_failure_policy=recompute: the held tokens are dropped, the prompt is recomputed locally, the output
     is the greedy output of a local prefill (P computing the same prompt itself: same kernels, same shapes)."""
@@ -330,6 +334,7 @@ def _expected_gate(anchor: dict, gate: float, prefill_token: int | None) -> tupl
     return (low - start if stopped else CAP), start, int(stopped), 0
 
 
+@pytest.mark.extended
 def test_confidence_gate_holds_tokens_up_to_the_first_low_margin(engines, gated_d, gate_prompts, record_property):
     """With the default ``speculative_min_margin``, D holds anchor-phase tokens up to (not including) the first
     one whose top-two logit margin on the anchor is below the threshold, and waits for the residual there; when
@@ -365,6 +370,7 @@ def test_confidence_gate_holds_tokens_up_to_the_first_low_margin(engines, gated_
     assert "low_margin" in stops and None in stops and "first_token_mismatch" in stops, stops
 
 
+@pytest.mark.extended
 def test_confidence_gate_with_client_logprobs(engines, gated_d, gate_prompts):
     """A client asking for 1 logprob gets exactly that (the gate asks vLLM for 2), from the verification pass:
     equal to full mode's up to float reordering (verification scores several positions in one pass). With

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(600)]
 
 #: Four distinct requests of 40-150 prompt tokens (several KV blocks of 32): two completions, one streamed
 #: completion and one chat, all greedy; sent at once.
