@@ -232,6 +232,9 @@ def test_reconnect_runs_the_handshake_again_and_keeps_ownership(src: TransferSou
     loc = sink.pool.alloc_request("d1", 4096, 0)
     sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, None)
     assert all(e.ok for e in collect(sink, 1))
+    # D's Done for p1 reaches P first: one arriving after P forgot the session is refused, and the new session
+    # cannot prove it owns p1 (P kept no record of the old one), so p1 would wait for its lease
+    wait_for(lambda: src.stats()["regions_live"] == 0)
     src._sessions.clear()  # P forgets every session (as if it dropped ours)
     stage(src, "p2", 4096, 0)
     loc2 = sink.pool.alloc_request("d2", 4096, 0)
