@@ -15,6 +15,10 @@ import pytest
 EXTENDED_FLAG = "--extended"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"extended: the extended tier, skipped unless pytest runs with {EXTENDED_FLAG}")
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(EXTENDED_FLAG, action="store_true", default=False,
                      help="also run the extended tier (tests marked `extended`: minutes each on a small CPU)")

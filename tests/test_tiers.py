@@ -23,9 +23,8 @@ def test_extended():
 
 
 def _run(tmp_path: Path, *args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "-o",
-                           "markers=extended: x", *args, str(tmp_path)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "--strict-markers",
+                           *args, str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
