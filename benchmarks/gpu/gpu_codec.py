@@ -1,4 +1,4 @@
-"""GPU codec check (run by benchmarks/gpu/run.sh; UNVERIFIED: written without access to a GPU).
+"""GPU codec check (run by benchmarks/gpu/kernel_check.sh on the lent GPU machine, and by run.sh).
 
 1. Throughput: every codec's encode (P: paged KV -> planes) and decode (D: planes -> paged KV; Lynx: anchor,
    then merge of the residual) on a CUDA paged cache in vLLM's FlashAttention layout, timed with CUDA events
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -127,28 +128,60 @@ def bench_codec(name: str, caches: list, t: int, h: int, d: int, dtype: torch.dt
 
 
 def exactness(codec: Any, caches: list, t: int, a_nb: int, r_nb: int) -> dict[str, Any]:
-    """Triton vs torch twin on the same CUDA tensors: planes and decoded caches must be identical."""
+    """Triton vs torch twin on the same CUDA tensors: planes and decoded caches must be identical. Both decodes
+    start from the torch twin's planes, so a decode difference is the decode kernel's, not the encoder's."""
     kv, lay, ids = caches[0]
-    planes = {}
-    decoded = {}
-    impls = ("triton", "torch") if DEVICE == "cuda" else ("torch", "torch")
+    impls = ("triton", "torch") if DEVICE == "cuda" else ("torch", "torch")  # --smoke-cpu: the script's logic
+    planes, decoded = [], []
     for impl in impls:
         a = torch.zeros(a_nb, dtype=torch.uint8, device=DEVICE)
         r = torch.zeros(r_nb, dtype=torch.uint8, device=DEVICE) if r_nb else None
         encode(codec, kv, ids, lay, t, a, r, impl=impl)
-        planes["triton" if impl == impls[0] and len(planes) == 0 else "torch"] = (a, r)
-    a, r = planes["torch"]
-    for key, impl in zip(("triton", "torch"), impls, strict=True):
+        planes.append((a, r))
+    a, r = planes[1]
+    for impl in impls:
         o_anchor, o_full = torch.zeros_like(kv), torch.zeros_like(kv)
         decode_anchor(codec, a, o_anchor, ids, lay, t, impl=impl)
         if r is not None:
             merge_residual(codec, a, r, o_full, ids, lay, t, impl=impl)
-        decoded[key] = (o_anchor, o_full)
-    return {"codec": codec.name,
-            "anchor_plane_equal": bool(torch.equal(planes["triton"][0], planes["torch"][0])),
-            "residual_plane_equal": None if r is None else bool(torch.equal(planes["triton"][1], planes["torch"][1])),
-            "decode_anchor_equal": bool(torch.equal(decoded["triton"][0], decoded["torch"][0])),
-            "merge_residual_equal": None if r is None else bool(torch.equal(decoded["triton"][1], decoded["torch"][1]))}
+        decoded.append((o_anchor, o_full))
+    return {"codec": codec.name, "impls": list(impls),
+            "anchor_plane_equal": bool(torch.equal(planes[0][0], planes[1][0])),
+            "residual_plane_equal": None if r is None else bool(torch.equal(planes[0][1], planes[1][1])),
+            "decode_anchor_equal": bool(torch.equal(decoded[0][0], decoded[1][0])),
+            "merge_residual_equal": None if r is None else bool(torch.equal(decoded[0][1], decoded[1][1]))}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """A readable table of one run's JSON."""
+    gib = result["kv_bytes"] / 2**30
+    lines = [f"## GPU codec kernels: {result['device']}",
+             "",
+             f"KV of one request: {result['tokens']} tokens x {result['layers']} layers x {result['kv_heads']} KV heads "
+             f"x {result['head_size']} ({result['dtype']}, block {result['block_size']}, FlashAttention layout): "
+             f"{gib:.2f} GiB. GB/s are source KV bytes per second (best of {result['repeats']}, CUDA events). "
+             f"Device-to-device copy of the same bytes: {result['copy_gbps']:.0f} GB/s; paged gather (index_select): "
+             f"{result['gather_gbps']:.0f} GB/s.",
+             "",
+             "| codec | impl | bits/value | anchor bits/value | encode GB/s | encode / copy | decode anchor GB/s "
+             "| merge residual GB/s | encode ms / layer |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in result["rows"]:
+        merge = f"{r['merge_residual_gbps']:.0f}" if "merge_residual_gbps" in r else "-"
+        per_layer_ms = result["kv_bytes"] / result["layers"] / (r["encode_gbps"] * 1e9) * 1e3
+        lines.append(f"| {r['codec']} | {r['impl']} | {r['bits_per_value']:.2f} | {r['anchor_bits_per_value']:.2f} "
+                     f"| {r['encode_gbps']:.0f} | {r['encode_vs_copy']:.2f} | {r['decode_anchor_gbps']:.0f} | {merge} "
+                     f"| {per_layer_ms:.3f} |")
+    lines += ["", "Triton kernels against their torch twins on the same CUDA tensors (bit-identical required):", "",
+              "| codec | anchor plane | residual plane | decoded (anchor) | decoded (merged) |",
+              "| --- | --- | --- | --- | --- |"]
+    for e in result["exact"]:
+        cell = {True: "equal", False: "DIFFERENT", None: "-"}
+        lines.append(f"| {e['codec']} | {cell[e['anchor_plane_equal']]} | {cell[e['residual_plane_equal']]} "
+                     f"| {cell[e['decode_anchor_equal']]} | {cell[e['merge_residual_equal']]} |")
+    lines += ["", f"All exact: {result['all_exact']}. Command: `bash benchmarks/gpu/kernel_check.sh` "
+              f"({result.get('timestamp', '-')}, source {result.get('source_commit') or '-'}).", ""]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,11 +204,16 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("no CUDA device: this script needs an NVIDIA GPU\n")
         return 2
     result = bench(args)
+    result["repeats"] = args.repeats
     result.update(common.environment_info())
-    ok = all(v in (True, None) for e in result["exact"] for k, v in e.items() if k != "codec")
+    # the device machine gets a copy of the tree without .git: the caller names the commit it sent
+    result["source_commit"] = os.environ.get("LYNX_SOURCE_COMMIT") or (result["git"] or {}).get("commit")
+    ok = all(v in (True, None) for e in result["exact"] for k, v in e.items() if k.endswith("_equal"))
     result["all_exact"] = ok
     if args.out:
         common.write_json(args.out, result)
+        with open(args.out.removesuffix(".json") + ".md", "w") as f:
+            f.write(markdown(result))
     print(f"copy {result['copy_gbps']:.0f} GB/s, gather {result['gather_gbps']:.0f} GB/s; all exact: {ok}")
     return 0 if ok else 1
 

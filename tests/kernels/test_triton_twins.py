@@ -1,5 +1,8 @@
 """The Triton kernels (CPU interpreter, small shapes, few programs) against their torch twins: identical planes
-from encode, byte-identical caches from decode and merge, for every layout, dtype and grouping."""
+from encode, byte-identical caches from decode and merge, for every layout, dtype and grouping.
+
+With ``LYNX_TEST_DEVICE=cuda`` the same cases run compiled on a GPU, tensors on the device, no interpreter
+(benchmarks/gpu/kernel_check.sh runs them so on the lent GPU machine)."""
 
 from __future__ import annotations
 
@@ -27,8 +30,16 @@ triton = pytest.importorskip("triton")
 # tests, behaves differently under it), so in the main session one test re-runs this file in a subprocess
 # with the flag set, and the cases below run only there.
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+ON_CUDA = os.environ.get("LYNX_TEST_DEVICE") == "cuda"
+DEV = "cuda" if ON_CUDA else "cpu"
 pytestmark = pytest.mark.triton
-interpreter_only = pytest.mark.skipif(not IN_INTERPRETER, reason="runs in the interpreter subprocess")
+interpreter_only = pytest.mark.skipif(not (IN_INTERPRETER or ON_CUDA),
+                                      reason="runs in the interpreter subprocess (or with LYNX_TEST_DEVICE=cuda)")
+
+
+def test_the_asked_device_is_there() -> None:
+    """LYNX_TEST_DEVICE=cuda on a machine without CUDA must fail, not skip every case."""
+    assert not ON_CUDA or torch.cuda.is_available(), "LYNX_TEST_DEVICE=cuda but torch sees no CUDA device"
 
 
 
@@ -37,14 +48,14 @@ def _encode_both(codec, src, ids, layout, t):
     na, nr = plane_nbytes(codec, layout, t)
     planes = {}
     for impl in ("torch", "triton"):
-        a, r = torch.zeros(na, dtype=torch.uint8), torch.zeros(nr, dtype=torch.uint8)
+        a, r = torch.zeros(na, dtype=torch.uint8, device=DEV), torch.zeros(nr, dtype=torch.uint8, device=DEV)
         encode(codec, src, ids, layout, t, a, r, impl=impl)
         planes[impl] = (a, r)
     assert torch.equal(planes["torch"][0], planes["triton"][0])
     assert torch.equal(planes["torch"][1], planes["triton"][1])
     return planes["torch"]
 
-@pytest.mark.skipif(IN_INTERPRETER, reason="this is the subprocess")
+@pytest.mark.skipif(IN_INTERPRETER or ON_CUDA, reason="this is the subprocess, or the cases run on CUDA")
 @pytest.mark.timeout(900)
 def test_triton_twins_in_the_interpreter() -> None:
     out = rerun_in_subprocess(__file__, {"TRITON_INTERPRET": "1"}, timeout=880)
@@ -71,13 +82,13 @@ def _layout(backend, isa, dtype, d):
 @pytest.mark.parametrize(("backend", "isa", "dtype", "d", "kg", "vg"), CASES)
 def test_triton_bit_exact(backend, isa, dtype, d, kg, vg) -> None:
     gen = torch.Generator().manual_seed(d)
-    src = (torch.randn(5, H, BS, 2 * d, generator=gen) * 3).to(dtype)
+    src = (torch.randn(5, H, BS, 2 * d, generator=gen) * 3).to(dtype).to(DEV)
     src[1, 0, :, :8] = 0.5  # constant stretches
     layout = _layout(backend, isa, dtype, d)
     codec = get_codec("lynx", k_group=kg, v_group=vg, k_group_tokens=32, v_group_tokens=16)
     t, ids = 2 * BS + 11, [3, 1, 4]  # ragged channel group and partial block
     a, r = _encode_both(codec, src, ids, layout, t)
-    base = torch.randn(src.shape, generator=gen).to(dtype)
+    base = torch.randn(src.shape, generator=gen).to(dtype).to(DEV)
     for merge in (False, True):
         outs = []
         for impl in ("torch", "triton"):
@@ -93,11 +104,11 @@ def test_triton_bit_exact(backend, isa, dtype, d, kg, vg) -> None:
 @interpreter_only
 def test_triton_int4_and_nonfinite() -> None:
     layout = KVLayout.cpu(H, BS, 64, torch.float32, isa="vec")
-    src = torch.randn(3, H, BS, 128)
+    src = torch.randn(3, H, BS, 128).to(DEV)
     for name in ("int4", "int4_kivi"):
         codec = get_codec(name)
         na, _ = plane_nbytes(codec, layout, BS)
-        a1, a2 = torch.zeros(na, dtype=torch.uint8), torch.zeros(na, dtype=torch.uint8)
+        a1, a2 = torch.zeros(na, dtype=torch.uint8, device=DEV), torch.zeros(na, dtype=torch.uint8, device=DEV)
         encode(codec, src, [2], layout, BS, a1, impl="torch")
         encode(codec, src, [2], layout, BS, a2, impl="triton")
         assert torch.equal(a1, a2)
@@ -105,8 +116,8 @@ def test_triton_int4_and_nonfinite() -> None:
     codec = get_codec("lynx")
     na, nr = plane_nbytes(codec, layout, BS)
     with pytest.raises(NonFiniteKVError):
-        encode(codec, src, [2], layout, BS, torch.zeros(na, dtype=torch.uint8), torch.zeros(nr, dtype=torch.uint8),
-               impl="triton")
+        encode(codec, src, [2], layout, BS, torch.zeros(na, dtype=torch.uint8, device=DEV),
+               torch.zeros(nr, dtype=torch.uint8, device=DEV), impl="triton")
 
 
 @interpreter_only
@@ -120,7 +131,7 @@ def test_triton_default_lynx_one_head_256(backend, dtype) -> None:
     src = torch.randn(6, 1, BS, 2 * d, generator=gen)
     src[..., [3, 77, 200]] *= 40.0  # K outlier channels
     src[5, 0, 0, :d] *= 8.0  # block 5 holds the first token: a sink with a large K
-    src = src.to(dtype)
+    src = src.to(dtype).to(DEV)
     codec = get_codec("lynx")
     a, r = _encode_both(codec, src, ids, layout, t)
     for merge in (False, True):

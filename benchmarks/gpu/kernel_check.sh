@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU kernel check, as one script for the lent GPU machine (torch and Triton, no vLLM, no NIXL, no network):
+#   1. tests/kernels/test_triton_twins.py compiled on the GPU (LYNX_TEST_DEVICE=cuda): every layout, dtype and
+#      grouping of the Triton kernels against their torch twins, bit for bit, and non-finite KV refused;
+#   2. benchmarks/gpu/gpu_codec.py at the paper's shape (Qwen3-32B KV, 16K tokens, 64 layers): every codec's
+#      encode/decode GB/s next to a device copy, and Triton == torch twin on those tensors.
+#
+#   LYNX_SOURCE_COMMIT=$(git rev-parse HEAD) OUT=benchmarks/results/gpu bash benchmarks/gpu/kernel_check.sh
+#
+# Writes into $OUT (default benchmarks/results/gpu): env.txt, triton_twins_cuda.txt, gpu_codec.{json,md,txt}.
+# The package is imported from the checkout; kernels/ is linked in as lynx_connector.kernels, as the wheel
+# lays it out (the wheel itself is checked on the CPU: tests/test_wheel_install.py). Exit status: 0 only if
+# both steps passed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-benchmarks/results/gpu}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+[ -e lynx_connector/kernels ] || ln -s ../kernels lynx_connector/kernels
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  $PY -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, \
+'cuda', torch.version.cuda, 'triton', triton.__version__, 'device', torch.cuda.get_device_name(0))"
+  echo "source commit: ${LYNX_SOURCE_COMMIT:-unknown}"
+} 2>&1 | tee "$OUT/env.txt"
+
+echo "== 1. Triton kernels vs torch twins, compiled on the GPU"
+LYNX_TEST_DEVICE=cuda timeout 240 $PY -m pytest -q -p no:cacheprovider -o addopts= -rA \
+  tests/kernels/test_triton_twins.py 2>&1 | tee "$OUT/triton_twins_cuda.txt"
+twins=${PIPESTATUS[0]}
+
+echo "== 2. codec kernels at the paper's shape"
+timeout 300 $PY benchmarks/gpu/gpu_codec.py --out "$OUT/gpu_codec.json" 2>&1 | tee "$OUT/gpu_codec.txt"
+codec=${PIPESTATUS[0]}
+
+echo "twins exit $twins, codec exit $codec"
+[ "$twins" = 0 ] && [ "$codec" = 0 ]
