@@ -85,7 +85,9 @@ def quantize_ref(
         raise KVRangeError(f"{name}: KV range [{lo.item()}, {hi.item()}] exceeds the fp16 metadata range")
     mn16 = round_down_fp16(gmin)
     mnf = mn16.float()
-    s16 = round_up_fp16((gmax - mnf) / levels)
+    # divide by a tensor, not the Python int: on CUDA, PyTorch turns division by a CPU scalar into a multiply by
+    # its reciprocal, which is not the IEEE quotient the kernels (and this twin on the CPU) compute
+    s16 = round_up_fp16((gmax - mnf) / torch.full_like(gmax, levels))
     sf = s16.float()
     safe = torch.where(sf > 0, sf, torch.ones_like(sf))
     mnb, sb, safeb = _bcast(mnf, mode), _bcast(sf, mode), _bcast(safe, mode)

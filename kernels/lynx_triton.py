@@ -8,6 +8,7 @@ Addressing: element (t, h, d) of K or V sits at
 and ``u = t % BS`` (``KVLayout.tile_addr``), which covers CPU vec/amx tiles and FlashAttention alike.
 Even and odd dims are handled as two [rows, D/2] halves so pairs pack into one byte without shuffles.
 Interpreter pitfalls handled: fp32 division via ``tl.div_rn``; fp32->bf16 rounding done by hand (RNE).
+GPU pitfall handled: both kernels launch with ``enable_fp_fusion=FP_FUSION`` (False): see ``FP_FUSION``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+# Triton contracts ``a * b + c`` into one FMA by default; the twin (and the interpreter) round the product and the
+# sum separately. Off, so that GPU planes and caches equal the twin's bit for bit (benchmarks/gpu/exact_diag.py
+# turns it on to show the difference).
+FP_FUSION = False
 
 
 @triton.jit
@@ -195,7 +202,7 @@ def encode_paged(
         kv_layer, block_ids, codes, codes if residual is None else residual, scale, mn,
         t, h, block_size, *_addr_args(addr),
         D=head_size, HALF=head_size // 2, CHANNEL=channel, G=group_tokens,
-        BLOCK_R=block_rows, LEVELS=15, RES=residual is not None,
+        BLOCK_R=block_rows, LEVELS=15, RES=residual is not None, enable_fp_fusion=FP_FUSION,
     )
 
 
@@ -210,5 +217,5 @@ def decode_paged(
         kv_layer, block_ids, codes, codes if residual is None else residual, scale, mn,
         t, h, block_size, *_addr_args(addr),
         D=head_size, HALF=head_size // 2, CHANNEL=channel, G=group_tokens,
-        BLOCK_R=block_rows, RES=residual is not None, OUT=_OUT[kv_layer.dtype],
+        BLOCK_R=block_rows, RES=residual is not None, OUT=_OUT[kv_layer.dtype], enable_fp_fusion=FP_FUSION,
     )

@@ -157,7 +157,7 @@ class GroupQuantCodec(Codec):
         mode = _mode(group)
         mshape = meta_shape(t, h, d, mode, g)
         scale, mn = scale.view(mshape), mn.view(mshape)
-        out = torch.empty((t, h, d), dtype=torch.float32)
+        out = torch.empty((t, h, d), dtype=torch.float32, device=abuf.device)
         step = self._chunk_tokens(group, g, h, d)
         per_tok = h * d * self.bits // 8
         for t0 in range(0, t, step):

@@ -24,9 +24,9 @@ def _rotation(head_size: int) -> torch.Tensor:
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] -> x @ (diag(signs) H / sqrt(D)), fp32."""
-    return x.float() @ _rotation(x.shape[-1])
+    return x.float() @ _rotation(x.shape[-1]).to(x.device)
 
 
 def unrotate(y: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`rotate`."""
-    return y.float() @ _rotation(y.shape[-1]).T
+    return y.float() @ _rotation(y.shape[-1]).to(y.device).T
