@@ -17,11 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-
-# Triton contracts ``a * b + c`` into one FMA by default; the twin (and the interpreter) round the product and the
-# sum separately. Off, so that GPU planes and caches equal the twin's bit for bit (benchmarks/gpu/exact_diag.py
-# turns it on to show the difference).
+# Triton may contract ``a * b + c`` into one FMA (its default), which rounds once where the twin (and the
+# interpreter) round the product and the sum separately. Off, so that GPU planes and caches equal the twin's by
+# construction. On the H200 the contraction did not change a byte in benchmarks/gpu/exact_diag.py's cases
+# (benchmarks/results/gpu/exact_diag.json); the kernels are memory-bound, so off costs nothing measurable.
 FP_FUSION = False
+# Warps per program (Triton's default); benchmarks/gpu/tune.py sweeps it with ``block_rows``.
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -77,7 +79,7 @@ def _meta(gmin, gmax, LEVELS: tl.constexpr):
 @triton.jit
 def encode_kernel(
     kv_ptr, ids_ptr, codes_ptr, res_ptr, scale_ptr, mn_ptr,
-    T, H, BS, s_b, s_h, base, PT, s_t1, s_t0, PD, s_d1, s_d0,
+    T, H, BS: tl.constexpr, s_b, s_h, base, PT: tl.constexpr, s_t1, s_t0, PD: tl.constexpr, s_d1, s_d0,
     D: tl.constexpr, HALF: tl.constexpr, CHANNEL: tl.constexpr, G: tl.constexpr,
     BLOCK_R: tl.constexpr, LEVELS: tl.constexpr, RES: tl.constexpr,
 ):
@@ -136,7 +138,7 @@ def encode_kernel(
 @triton.jit
 def decode_kernel(
     kv_ptr, ids_ptr, codes_ptr, res_ptr, scale_ptr, mn_ptr,
-    T, H, BS, s_b, s_h, base, PT, s_t1, s_t0, PD, s_d1, s_d0,
+    T, H, BS: tl.constexpr, s_b, s_h, base, PT: tl.constexpr, s_t1, s_t0, PD: tl.constexpr, s_d1, s_d0,
     D: tl.constexpr, HALF: tl.constexpr, CHANNEL: tl.constexpr, G: tl.constexpr,
     BLOCK_R: tl.constexpr, RES: tl.constexpr, OUT: tl.constexpr,
 ):
@@ -202,7 +204,8 @@ def encode_paged(
         kv_layer, block_ids, codes, codes if residual is None else residual, scale, mn,
         t, h, block_size, *_addr_args(addr),
         D=head_size, HALF=head_size // 2, CHANNEL=channel, G=group_tokens,
-        BLOCK_R=block_rows, LEVELS=15, RES=residual is not None, enable_fp_fusion=FP_FUSION,
+        BLOCK_R=block_rows, LEVELS=15, RES=residual is not None,
+        enable_fp_fusion=FP_FUSION, num_warps=NUM_WARPS,
     )
 
 
@@ -217,5 +220,6 @@ def decode_paged(
         kv_layer, block_ids, codes, codes if residual is None else residual, scale, mn,
         t, h, block_size, *_addr_args(addr),
         D=head_size, HALF=head_size // 2, CHANNEL=channel, G=group_tokens,
-        BLOCK_R=block_rows, RES=residual is not None, OUT=_OUT[kv_layer.dtype], enable_fp_fusion=FP_FUSION,
+        BLOCK_R=block_rows, RES=residual is not None, OUT=_OUT[kv_layer.dtype],
+        enable_fp_fusion=FP_FUSION, num_warps=NUM_WARPS,
     )

@@ -16,9 +16,9 @@ import sys
 from typing import Any
 
 import torch
+from lynx_connector.kernels import lynx_triton
 
 from lynx_connector.codec import KVLayout, decode_anchor, encode, get_codec, merge_residual, plane_nbytes
-from lynx_connector.kernels import lynx_triton
 
 H, BS = 2, 32
 GPU = "cuda"
