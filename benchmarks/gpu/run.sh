@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepared GPU benchmark: codec kernels + the e2e benchmark at the paper's scale as far as one GPU allows.
-# UNVERIFIED: written in a session without a GPU. Needs vllm==0.32.0 (CUDA build), nixl, this package installed
+# Step 1 is also in kernel_check.sh, which ran on an H200 (benchmarks/results/gpu/); step 2 is unrun: it needs
+# vllm==0.32.0 (CUDA build), nixl, this package installed
 # (pip install -e .), and the model in the local Hugging Face cache (the machine may be offline).
 #
 #   benchmarks/gpu/run.sh [OUT_DIR]           # default OUT_DIR=benchmarks/results/gpu
