@@ -245,6 +245,7 @@ class TransferScheduler:
             self._complete(entry, state, self._clock())
 
     def _reap(self, now: float) -> None:
+        settled: list[tuple[_Inflight, str]] = []
         for entry in list(self._inflight):
             try:
                 state = self._nixl.check(entry.handle)
@@ -256,6 +257,11 @@ class TransferScheduler:
                     self.fail(entry.job.req_id, f"{entry.job.stream} chunk from {entry.job.peer} stalled "
                               f"for more than {self._cfg.timeout_s}s")
                 continue
+            settled.append((entry, state))
+        # Chunks found settled in one pass completed in no order we can know (UCX does not order READ
+        # completions); settle anchors first, so that when both streams of a request finish in one pass the
+        # anchor's event comes first, as the priority order promises.
+        for entry, state in sorted(settled, key=lambda es: es[0].job.stream != ANCHOR):
             if entry in self._inflight:
                 self._inflight.remove(entry)
                 self._complete(entry, state, now)

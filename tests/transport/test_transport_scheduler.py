@@ -336,3 +336,19 @@ def test_a_split_residual_fills_the_link_in_slices_while_its_anchor_waits_for_p(
     assert all(s == "residual" for s, _ in log[last_anchor + 1:]) and log[-1][1] <= 16 * KB
     assert any(n == 16 * KB for s, n in log[last_anchor + 1:])  # whole chunks once the anchor is posted
     assert [(e.stream, e.ok) for e in events] == [("anchor", True), ("residual", True)]
+
+
+def test_anchor_event_first_when_both_streams_settle_in_one_pass(fabric: FakeFabric) -> None:
+    """UCX does not order READ completions: when the residual's last chunk (posted first here) and the anchor's
+    settle in the same pass, the anchor's event still comes first."""
+    sched, dst, job, events, clock, _ = make(fabric)
+    dst.hang = True
+    sched.submit(job("r1", "residual", 0, 16 * KB))
+    sched.step()
+    sched.submit(job("r1", "anchor", 16 * KB, 16 * KB))
+    sched.step()
+    assert [s for _, s, _, _ in sched.stats.post_log] == ["residual", "anchor"]
+    assert events == []
+    dst.hang = False
+    run_until_idle(sched, clock)
+    assert [(e.stream, e.ok) for e in events] == [("anchor", True), ("residual", True)]
