@@ -25,7 +25,11 @@ from .base import Codec, check_plane
 from .hadamard import rotate, unrotate
 
 GROUPINGS = ("token", "channel", "hadamard")
-CHUNK_ELEMS = 1 << 17  # values per chunk: keeps the ~15-op elementwise chain in L2
+CHUNK_ELEMS = 1 << 17  # values per chunk on the CPU: keeps the ~15-op elementwise chain in L2
+# On a GPU each chunk costs ~20 kernel launches and the range checks' host syncs: CPU-sized chunks made int8 (which
+# has no Triton kernel) encode at 0.5 GB/s on an H200 (benchmarks/results/gpu/gpu_codec.md). 16M values (a
+# 16K-token request of 8 KV heads x 128 in one chunk) bound the fp32 temporaries to a few hundred MB.
+GPU_CHUNK_ELEMS = 1 << 24
 
 
 def _mode(group: str) -> str:
@@ -85,8 +89,8 @@ class GroupQuantCodec(Codec):
             self.v_group, self.v_tokens, t, h, d)
         return anchor, (2 * t * h * d // 2 if self.two_stream else 0)
 
-    def _chunk_tokens(self, group: str, g: int, h: int, d: int) -> int:
-        c = max(1, CHUNK_ELEMS // (h * d))
+    def _chunk_tokens(self, group: str, g: int, h: int, d: int, device: torch.device) -> int:
+        c = max(1, (CHUNK_ELEMS if device.type == "cpu" else GPU_CHUNK_ELEMS) // (h * d))
         if _mode(group) == "channel":
             c = max(1, c // g) * g
         return c
@@ -109,7 +113,7 @@ class GroupQuantCodec(Codec):
         t, h, d = x.shape
         codes_out, scale_out, mn_out = self._split(abuf, group, g, t, h, d)
         mode = _mode(group)
-        step = self._chunk_tokens(group, g, h, d)
+        step = self._chunk_tokens(group, g, h, d, x.device)
         per_tok = h * d * self.bits // 8
         per_group_tok = h if mode == "token" else h * d  # metadata entries per token / per token group
         for t0 in range(0, t, step):
@@ -158,7 +162,7 @@ class GroupQuantCodec(Codec):
         mshape = meta_shape(t, h, d, mode, g)
         scale, mn = scale.view(mshape), mn.view(mshape)
         out = torch.empty((t, h, d), dtype=torch.float32, device=abuf.device)
-        step = self._chunk_tokens(group, g, h, d)
+        step = self._chunk_tokens(group, g, h, d, abuf.device)
         per_tok = h * d * self.bits // 8
         for t0 in range(0, t, step):
             t1 = min(t, t0 + step)

@@ -171,3 +171,26 @@ def test_skip_blocks_leaves_prefix_cache_blocks_untouched():
     decode_anchor(codec, pa, dst, [2, 3, 4], layout, n, skip_blocks=2)
     assert torch.equal(dst[3], ref[3])  # skipped this time
     assert not torch.equal(dst[4], ref[4])  # written at anchor precision
+
+
+@pytest.mark.parametrize("name", ["int8", "lynx", "int4_kivi"])
+def test_planes_do_not_depend_on_the_chunk_size(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch path quantizes in token chunks (small on the CPU, large on a GPU: groupquant.GPU_CHUNK_ELEMS);
+    the planes and the decoded cache are the same whatever the chunk, channel groups included."""
+    from lynx_connector.codec import groupquant
+
+    src, layout = _setup(torch.float32)
+    codec = get_codec(name)
+    t, ids = 5 * BS - 3, [4, 0, 2, 5, 1]
+    out = []
+    for elems in (groupquant.CHUNK_ELEMS, H * 64 * 8, 1 << 24):  # the default, 8 tokens, all tokens at once
+        monkeypatch.setattr(groupquant, "CHUNK_ELEMS", elems)
+        a, r = _planes(codec, layout, t)
+        encode(codec, src, ids, layout, t, a, r, impl="torch")
+        dst = torch.zeros_like(src)
+        (merge_residual(codec, a, r, dst, ids, layout, t, impl="torch") if r is not None
+         else decode_anchor(codec, a, dst, ids, layout, t, impl="torch"))
+        out.append((a, r, dst))
+    for a, r, dst in out[1:]:
+        assert torch.equal(a, out[0][0]) and torch.equal(dst, out[0][2])
+        assert r is None or torch.equal(r, out[0][1])
