@@ -14,24 +14,11 @@ import sys
 from typing import Any
 
 import torch
+from gpu_codec import cuda_best as best  # this folder's script (run as a script: its folder is on sys.path)
 from lynx_connector.kernels import lynx_triton
 
 from lynx_connector.codec import KVLayout, get_codec, plane_nbytes
 from lynx_connector.codec.triton_path import decode_triton, encode_triton
-
-
-def best(fn: Any, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = float("inf")
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out = min(out, a.elapsed_time(b) / 1e3)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """The GPU scripts (benchmarks/gpu/) run only on a lent GPU machine; here their logic runs on the CPU so they do
-not rot between loans: gpu_codec.py's torch path and report, exact_diag.py with Triton in its interpreter, and
-kernel_check.sh's syntax."""
+not rot between loans: gpu_codec.py's torch path and report, exact_diag.py with Triton in its interpreter,
+tune.py's imports, and the shell scripts' syntax."""
 
 from __future__ import annotations
 
@@ -47,6 +47,14 @@ def test_exact_diag_smoke_compares_every_path(tmp_path: Path) -> None:
             assert "error" not in row[path], row[path]
             assert {part: v["differ"] for part, v in row[path].items()} == {
                 "anchor": 0, "residual": 0, "decoded_anchor": 0, "decoded_merged": 0}
+
+
+def test_tune_imports_and_needs_a_gpu() -> None:
+    r = _run([str(GPU / "tune.py"), "--help"])
+    assert r.returncode == 0 and "--warps" in r.stdout, r.stderr[-2000:]
+    if not __import__("torch").cuda.is_available():
+        r = _run([str(GPU / "tune.py")])
+        assert r.returncode == 2 and "needs an NVIDIA GPU" in r.stderr, r.stderr[-2000:]
 
 
 def test_gpu_shell_scripts_parse() -> None:
