@@ -26,6 +26,7 @@ from lynx_connector.codec import (
     StagedLayout,
     encode,
     get_codec,
+    kernel_path,
     staged_layout,
     staging_id,
 )
@@ -145,17 +146,21 @@ class LynxConnectorWorker(ReceiveHalf):
 
         assert self.layout is not None
         done: set[str] = set()
+        paths: dict[str, str] = {}
         for mode in self.config.allowed_modes:
             if not is_mode(mode) or get_mode(mode).codec in done:  # auto is no codec
                 continue
             done.add(get_mode(mode).codec)
             codec = self._codec(mode)
+            paths[codec.name] = kernel_path(codec, self.layers[0][1], self.layout)
             try:
                 seconds = warm_up(codec, self.layout, self.layers[0][1])
             except Exception as exc:
                 logger.warning("LynxConnector: warming up codec %s failed: %s", codec.name, exc)
                 continue
             logger.debug("LynxConnector: codec %s warmed up in %.2fs", codec.name, seconds)
+        logger.info("LynxConnector: codec kernels on this cache: %s",
+                    ", ".join(f"{name} {path}" for name, path in paths.items()))
 
     def _status_counters(self) -> dict[str, Any]:
         """The worker's queues for the status file (read from a transport thread: sizes only)."""

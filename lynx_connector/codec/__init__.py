@@ -2,7 +2,7 @@
 
 from lynx_connector.kernels.errors import KVRangeError, NonFiniteKVError
 
-from .api import check_metadata, decode_anchor, decode_full, encode, merge_residual, plane_nbytes
+from .api import check_metadata, decode_anchor, decode_full, encode, kernel_path, merge_residual, plane_nbytes
 from .base import Codec
 from .integrity import (
     INTEGRITY_FORMAT,
@@ -37,6 +37,7 @@ __all__ = [
     "decode_full",
     "encode",
     "get_codec",
+    "kernel_path",
     "merge_residual",
     "plane_nbytes",
     "staged_layout",

@@ -56,6 +56,14 @@ def _use_triton(codec: Codec, kv_layer: torch.Tensor, impl: str) -> bool:
     return ok and kv_layer.is_cuda
 
 
+def kernel_path(codec: Codec, kv_layer: torch.Tensor, layout: KVLayout) -> str:
+    """Which implementation ``encode(..., impl="auto")`` runs for this codec on this cache tensor: "triton",
+    "numba" or "torch" (the worker logs it at start-up: the torch twin is several times slower)."""
+    if _use_triton(codec, kv_layer, "auto"):
+        return "triton"
+    return "numba" if _use_numba(codec, kv_layer, layout, "auto") else "torch"
+
+
 def encode(
     codec: Codec,
     kv_layer: torch.Tensor,

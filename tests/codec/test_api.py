@@ -194,3 +194,20 @@ def test_planes_do_not_depend_on_the_chunk_size(name: str, monkeypatch: pytest.M
     for a, r, dst in out[1:]:
         assert torch.equal(a, out[0][0]) and torch.equal(dst, out[0][2])
         assert r is None or torch.equal(r, out[0][1])
+
+
+def test_kernel_path_names_what_encode_runs() -> None:
+    """The worker logs ``kernel_path`` at start-up for the real cache: the CPU's numba kernels for the group
+    quantizers on a cache they can address, the torch twin otherwise (the passthrough, a cache whose rows are
+    not contiguous)."""
+    from lynx_connector.codec import kernel_path
+    from lynx_connector.codec.numba_path import numba_kernels
+
+    src, layout = _setup(torch.float32)
+    if numba_kernels() is None:
+        pytest.skip("numba is not installed")
+    assert kernel_path(get_codec("lynx"), src, layout) == "numba"
+    assert kernel_path(get_codec("int8"), src, layout) == "numba"
+    assert kernel_path(get_codec("bf16"), src, layout) == "torch"
+    strided = torch.zeros(*src.shape[:3], 4 * src.shape[3])[..., ::2]  # same shape, rows not contiguous
+    assert kernel_path(get_codec("lynx"), strided, layout) == "torch"
