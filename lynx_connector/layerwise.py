@@ -36,8 +36,10 @@ class StagingJob:
     layout: StagedLayout
     staged: Any  # transport.pool.StagedRequest
     staging_id: str  # seeds the checksums (transfer id and generation)
-    t0: float
     encoded: set[int] = field(default_factory=set)  # layer indices encoded and sealed
+    #: Seconds of encoding and sealing, summed over the layers: what P's codec costs the request (layer-wise,
+    #: inside the forward), without the forward's own time between its layers.
+    encode_s: float = 0.0
     published: bool = False  # whole (TransferSource.publish called)
 
     @property

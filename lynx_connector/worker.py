@@ -237,13 +237,12 @@ class LynxConnectorWorker(ReceiveHalf):
         if not job.published:
             self.source.publish(spec.req_id)  # False: D freed it meanwhile (aborted): its staging is freed now
         a, r = job.layout.nbytes
-        self.stats.record_encode(a, r, time.perf_counter() - job.t0)
+        self.stats.record_encode(a, r, job.encode_s)
 
     def _begin(self, spec: SaveSpec) -> StagingJob | None:
         """Allocate a request's staging (`StagingFullError` when the pool has no room); None when it was
         rejected (it can never fit, or a test hook made its KV bad)."""
         assert self.source is not None and self.layout is not None
-        t0 = time.perf_counter()
         sl = self._plane_nbytes(spec.mode, spec.num_tokens)
         a, r = sl.nbytes
         if a + r > self.source.pool.nbytes:  # can never fit: no point in waiting for room
@@ -257,7 +256,7 @@ class LynxConnectorWorker(ReceiveHalf):
                                    token=spec.token or None)
         sid = staging_id(self.source.ticket(spec.req_id)[0], staged.generation)  # seeds the checksums
         self._faults.out_of_range_kv(spec.req_id, self.layers[0][1], self.layout, spec.block_ids, spec.num_tokens)
-        return StagingJob(spec.req_id, spec, self._codec(spec.mode), sl, staged, sid, t0)
+        return StagingJob(spec.req_id, spec, self._codec(spec.mode), sl, staged, sid)
 
     def _encode_layer(self, job: StagingJob, i: int) -> None:
         name, kv = self.layers[i]
@@ -267,9 +266,11 @@ class LynxConnectorWorker(ReceiveHalf):
                job.residual_plane(i), layer_name=name)
         t_seal = time.perf_counter()
         job.seal(i)  # checksums right after the layer is encoded
-        self.stats.record_security("p", "checksum", time.perf_counter() - t_seal)
+        t_end = time.perf_counter()
+        self.stats.record_security("p", "checksum", t_end - t_seal)
+        job.encode_s += t_end - t0
         if job.codec.name == LYNX_CODEC and job.spec.num_tokens:  # auto's estimate of the Lynx codec's cost
-            self._lynx_encode_s.append((time.perf_counter() - t0) * len(self.layers) / job.spec.num_tokens)
+            self._lynx_encode_s.append((t_end - t0) * len(self.layers) / job.spec.num_tokens)
 
     def _encode_failed(self, job: StagingJob, exc: Exception) -> None:
         """Reject a request whose encode failed: bad data (non-finite or out-of-range KV) fails only this

@@ -620,3 +620,19 @@ def test_an_empty_step_waits_for_a_pull_to_land_only_while_one_is_in_flight(pair
         done.update(d.take_results()[0])
     assert waits and all(w == 0.5 for w in waits)
     assert_staging_freed(p, d)
+
+
+def test_encode_time_counts_the_codec_not_the_forward_between_layers(pair):
+    """Layer-wise publish encodes each layer inside P's forward: ``Avg encode`` is the codec's (and checksums')
+    time summed over the layers, not the wall time from the first layer to the last (the forward's)."""
+    make, _ = pair
+    p, caches = make("kv_producer")
+    meta = LynxConnectorMetadata(reqs_to_save=[SaveSpec(req_id="p1", block_ids=P_BLOCKS, num_tokens=N, mode="full")])
+    forward_s = 0.25
+    for name in caches:  # what vLLM does: save_kv_layer after each attention layer, the forward in between
+        p.save_layer(name, meta)
+        time.sleep(forward_s)
+    p.save(meta)
+    encodes = p.stats.data["encode_s"]
+    assert len(encodes) == 1 and p.source.stats()["regions_live"] > 0  # staged, waiting for D
+    assert 0.0 < encodes[0] < forward_s, encodes
