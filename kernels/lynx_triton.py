@@ -20,7 +20,7 @@ import triton.language as tl
 # Triton may contract ``a * b + c`` into one FMA (its default), which rounds once where the twin (and the
 # interpreter) round the product and the sum separately. Off, so that GPU planes and caches equal the twin's by
 # construction. On the H200 the contraction did not change a byte in benchmarks/gpu/exact_diag.py's cases
-# (benchmarks/results/gpu/exact_diag.json); the kernels are memory-bound, so off costs nothing measurable.
+# (benchmarks/results/gpu/exact_diag.json); its effect on speed there was not measured.
 FP_FUSION = False
 # Warps per program (Triton's default); benchmarks/gpu/tune.py sweeps it with ``block_rows``.
 NUM_WARPS = 4
