@@ -145,14 +145,12 @@ class LynxConnectorWorker(ReceiveHalf):
         from lynx_connector.codec.warmup import warm_up
 
         assert self.layout is not None
-        done: set[str] = set()
-        paths: dict[str, str] = {}
+        paths: dict[str, str] = {}  # the modes table's codec name -> the kernels it runs on this cache
         for mode in self.config.allowed_modes:
-            if not is_mode(mode) or get_mode(mode).codec in done:  # auto is no codec
+            if not is_mode(mode) or get_mode(mode).codec in paths:  # auto is no codec
                 continue
-            done.add(get_mode(mode).codec)
             codec = self._codec(mode)
-            paths[codec.name] = kernel_path(codec, self.layers[0][1], self.layout)
+            paths[get_mode(mode).codec] = kernel_path(codec, self.layers[0][1], self.layout)
             try:
                 seconds = warm_up(codec, self.layout, self.layers[0][1])
             except Exception as exc:

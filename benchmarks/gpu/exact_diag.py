@@ -16,13 +16,14 @@ import sys
 from typing import Any
 
 import torch
+from gpu_codec import cuda_missing  # this folder's script (run as a script: its folder is on sys.path)
 from lynx_connector.kernels import lynx_triton
 
 from lynx_connector.codec import KVLayout, decode_anchor, encode, get_codec, merge_residual, plane_nbytes
 
 H, BS = 2, 32
 GPU = "cuda"
-CASES = [  # (backend, isa, dtype, head size, K grouping, V grouping): tests/kernels/test_triton_twins.py's
+CASES = [  # (backend, isa, dtype, head size, K grouping, V grouping), as in tests/kernels/test_triton_twins.py
     ("cpu", "vec", "float32", 64, "channel", "token"),
     ("cpu", "amx", "bfloat16", 64, "channel", "channel"),
     ("flash", None, "bfloat16", 64, "channel", "channel"),
@@ -88,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     global GPU
     if args.smoke_cpu:
         GPU = "cpu"
-    elif not torch.cuda.is_available():
-        sys.stderr.write("no CUDA device: this script needs an NVIDIA GPU\n")
+    elif cuda_missing():
         return 2
     rows = []
     for case in CASES:

@@ -46,6 +46,14 @@ def make_cache(args: argparse.Namespace, layer: int) -> tuple[torch.Tensor, KVLa
     return kv, layout, block_ids
 
 
+def cuda_missing() -> bool:
+    """True, said on stderr, when torch sees no CUDA device (the GPU scripts then exit with status 2)."""
+    if torch.cuda.is_available():
+        return False
+    sys.stderr.write("no CUDA device: this script needs an NVIDIA GPU\n")
+    return True
+
+
 def cuda_best(fn: Any, repeats: int) -> float:
     if DEVICE == "cpu":
         return common.best_time(fn, repeats=repeats)
@@ -200,8 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     global DEVICE
     if args.smoke_cpu:
         DEVICE = "cpu"
-    elif not torch.cuda.is_available():
-        sys.stderr.write("no CUDA device: this script needs an NVIDIA GPU\n")
+    elif cuda_missing():
         return 2
     result = bench(args)
     result["repeats"] = args.repeats

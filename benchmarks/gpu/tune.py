@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from gpu_codec import cuda_best as best  # this folder's script (run as a script: its folder is on sys.path)
+from gpu_codec import cuda_missing
 from lynx_connector.kernels import lynx_triton
 
 from lynx_connector.codec import KVLayout, get_codec, plane_nbytes
@@ -30,8 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.stderr.write("no CUDA device: this script needs an NVIDIA GPU\n")
+    if cuda_missing():
         return 2
     t, h, d, bs, dtype = args.tokens, 8, 128, 16, torch.bfloat16
     layout = KVLayout.flash(h, bs, d, dtype)
