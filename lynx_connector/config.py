@@ -109,7 +109,7 @@ class LynxConfig:
     mode: str = DEFAULT_MODE
     #: Options for the Lynx codec (grouping); passed to ``lynx_connector.codec.get_codec``.
     codec_options: Mapping[str, Any] = field(default_factory=dict)
-    #: Emulated link rate for the transport's token bucket, Gbit/s; None = unpaced.
+    #: Emulated link rate (D paces its pulls on a virtual link clock), Gbit/s; None = unpaced.
     link_gbps: float | None = None
     #: Transfer chunk size and bytes in flight (the priority granularity of the two streams).
     chunk_bytes: int = 1 << 20

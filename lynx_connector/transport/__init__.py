@@ -22,9 +22,10 @@ Settings chosen on the 2-core CPU box (NIXL 1.5.1 / UCX 1.23, measured; see ``ly
   1 MiB anchor behind a 128 MiB residual being read completes in ~1-4 ms with 1 MiB chunks vs ~26-30 ms
   (i.e. after the residual) unchunked. The window (4 MiB) bounds bytes in flight when READs are asynchronous
   (``UCX_TLS=tcp``).
-* Pacing: token bucket on D (``link_gbps``), starting each busy period with one chunk of credit and holding at
-  most ``burst_s`` (20 ms) of credit to absorb wake-up jitter (5 ms lost up to half the rate at 25 Gb/s on
-  the loaded box). Streams other than speculative anchors are held (<= ``anchor_holdoff_s``, 20 ms) while a
+* Pacing: an emulated link on D (``link_gbps``, ``pacing.VirtualLink``): a chunk completes no sooner than its
+  bytes' link time after the link freed, so N bytes take N / rate, never less; the next chunk is posted when
+  the link frees, and a late wake-up of the posting thread (<= ``catch_up_s``, 20 ms) does not idle the link
+  (5 ms lost up to half the rate at 25 Gb/s on the loaded box). Streams other than speculative anchors are held (<= ``anchor_holdoff_s``, 20 ms) while a
   speculative pull's regions are still being queried, so its anchor goes first.
 """
 

@@ -29,7 +29,7 @@ def _positive_float(name: str, value: object) -> None:
 class TransportConfig:
     """Settings of one `TransferSource` (P) or `TransferSink` (D).
 
-    link_gbps: pace the pull to this many gigabits/s (token bucket on D), None = unpaced.
+    link_gbps: pace the pull to this many gigabits/s (an emulated link on D, `pacing.VirtualLink`), None = unpaced.
     chunk_bytes: a stream is posted in chunks of at most this size, so an anchor waits at most one chunk.
     window_bytes: bound on bytes posted but not completed (>= chunk_bytes).
     lease_s: P frees a published request's staging if D has not said "done" within this (renewed by each query
@@ -51,9 +51,9 @@ class TransportConfig:
         or "anchor_first" (the rule before issue 16: every anchor before any residual).
     max_wait_s: age bound of the ranking: a stream queued this long goes first, oldest first (not with
         "anchor_first").
-    burst_s: token-bucket capacity in seconds of the link rate: lets the posting thread catch up after it woke
-        late (on the loaded 2-core box 5 ms lost up to half the rate at 25 Gb/s; 20 ms holds >= 95%). Each
-        busy period starts with one chunk of credit, so the rate over any window is <= link + one chunk.
+    catch_up_s: with ``link_gbps``, a chunk that waited for the emulated link and was posted up to this late
+        (the posting thread woke late) starts when the link freed, so the thread's lateness does not idle the
+        link (on the loaded 2-core box 5 ms lost up to half the rate at 25 Gb/s; 20 ms holds >= 95%).
     max_message_bytes: inbound side-channel messages larger than this are rejected unread (64 KiB: P's inbound
         messages are small; D accepts at least a HelloOk with P's NIXL metadata, ``protocol.MAX_MD``).
     key: the deployment key (>= 32 bytes, `lynx_connector.transport.keys.load_side_channel_key`) that
@@ -91,7 +91,7 @@ class TransportConfig:
     anchor_holdoff_s: float = 0.02
     order: str = "srpt"
     max_wait_s: float = 5.0
-    burst_s: float = 0.02
+    catch_up_s: float = 0.02
     max_message_bytes: int = 64 << 10
     resend_s: float = 0.5
     retry_max_s: float = 0.1
@@ -113,7 +113,7 @@ class TransportConfig:
             )
         if self.order not in ORDERS:
             raise ValueError(f"TransportConfig.order must be one of {', '.join(ORDERS)}, got {self.order!r}")
-        for name in ("lease_s", "timeout_s", "retry_s", "burst_s", "resend_s", "retry_max_s", "reconnect_s",
+        for name in ("lease_s", "timeout_s", "retry_s", "catch_up_s", "resend_s", "retry_max_s", "reconnect_s",
                      "unknown_grace_s", "pipeline_poll_s", "max_wait_s"):
             _positive_float(name, getattr(self, name))
         for name in ("target_progress_s", "anchor_holdoff_s"):

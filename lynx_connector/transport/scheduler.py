@@ -9,6 +9,9 @@ then units that each unblock output, shortest first; an age bound for every stre
 queried, for at most `anchor_holdoff_s`, so its anchor is not overtaken merely because P answered late); aged
 streams are never held. Chunking bounds how long a newly queued anchor waits behind a stream already being
 moved: at most the bytes in flight (<= window_bytes), and with cma (synchronous transfers) at most one chunk.
+
+Pacing (``link_gbps``, `pacing.VirtualLink`): a chunk is reported complete no sooner than the emulated link would
+have delivered it (its bytes' link time after the link freed), whatever the real transfer took.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from lynx_connector.logger import init_logger
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.events import ANCHOR, RESIDUAL, Stream, TransferEvent
 from lynx_connector.transport.nixl_wrapper import NixlLike
-from lynx_connector.transport.pacing import TokenBucket
+from lynx_connector.transport.pacing import VirtualLink
 from lynx_connector.transport.ranking import EARLY, SPLIT, PullOrder, best
 
 logger = init_logger(__name__)
@@ -70,6 +73,8 @@ class _Inflight:
     handle: Any
     nbytes: int
     t_post: float
+    t_due: float = 0.0  # the emulated link delivers the chunk then (0 = unpaced)
+    state: str | None = None  # NIXL's final state, once known, while the emulated link still carries the chunk
 
 
 @dataclass
@@ -111,23 +116,13 @@ class TransferScheduler:
         # poll, so the anchor that starts decoding waits behind at most about that much residual (a whole chunk
         # is 2.8 s of a 0.003 Gbit/s link). Unpaced, the in-flight window bounds it.
         self._slice = 0 if rate is None else max(4096, int(rate * config.pipeline_poll_s))
-        self._bucket = (
-            None
-            if rate is None
-            else TokenBucket(
-                rate,
-                capacity=max(config.chunk_bytes, rate * config.burst_s),
-                initial=config.chunk_bytes,
-                now=clock(),
-            )
-        )
+        self._link = None if rate is None else VirtualLink(rate, config.catch_up_s)
+        self._backlogged = False  # the last step left postable work waiting for the emulated link
 
     # ---- queueing ----------------------------------------------------------------------------
     def submit(self, job: StreamJob) -> None:
         if job.nbytes <= 0:
             raise ValueError(f"stream job {job.req_id}/{job.stream} has no bytes")
-        if self._bucket is not None and self.idle:
-            self._bucket.idle_reset(self._cfg.chunk_bytes, self._clock())
         if (job.req_id, job.stream) in self._jobs:
             raise ValueError(f"stream job {job.req_id}/{job.stream} is already queued")
         job.t_queued, job.seq = self._clock(), next(self._seq)
@@ -135,8 +130,6 @@ class TransferScheduler:
 
     def extend(self, req_id: str, ready: dict[str, int | None]) -> None:
         """More of a request's streams became readable on P (``ready[stream]``: bytes, None = all)."""
-        if self._bucket is not None and self.idle:
-            self._bucket.idle_reset(self._cfg.chunk_bytes, self._clock())
         for stream, n in ready.items():
             job = self._jobs.get((req_id, stream))
             if job is not None and job.ready is not None:
@@ -203,19 +196,20 @@ class TransferScheduler:
                 n = min(n, self._slice)  # its anchor waits for P: fill the idle link in slices it overtakes soon
             if self.inflight_bytes and self.inflight_bytes + n > self._cfg.window_bytes:
                 break
-            if self._bucket is not None:
-                w = self._bucket.wait_time(n, now)
+            if self._link is not None:
+                w = self._link.wait_time(now)
                 if w > 0.0:
-                    wait = w
+                    wait, self._backlogged = w, True
                     break
-                self._bucket.consume(n, now)
             self._post(job, n, now)
             now = self._clock()
         else:
             if best(self._jobs.values(), self._jobs, now, self._cfg.order, self._cfg.max_wait_s)[0] is not None:
                 return 0.0
         if self._inflight:
-            wait = POLL_INTERVAL_S if wait is None else min(wait, POLL_INTERVAL_S)
+            # NIXL transfers still running are polled; chunks only the emulated link still carries wake us when due
+            due = min(POLL_INTERVAL_S if f.state is None else max(0.0, f.t_due - now) for f in self._inflight)
+            wait = due if wait is None else min(wait, due)
         return wait
 
     def _post(self, job: StreamJob, n: int, now: float) -> None:
@@ -238,8 +232,13 @@ class TransferScheduler:
         job.inflight += n
         self.inflight_bytes += n
         self.stats.max_inflight_bytes = max(self.stats.max_inflight_bytes, self.inflight_bytes)
-        entry = _Inflight(job, handle, n, now)
+        due = 0.0 if self._link is None else self._link.reserve(n, now, self._backlogged)
+        self._backlogged = False
+        entry = _Inflight(job, handle, n, now, due)
         if state == "PROC":
+            self._inflight.append(entry)
+        elif state == "DONE" and entry.t_due > self._clock():
+            entry.state = state  # moved (cma is synchronous), but not yet on the emulated link
             self._inflight.append(entry)
         else:
             self._complete(entry, state, self._clock())
@@ -247,15 +246,20 @@ class TransferScheduler:
     def _reap(self, now: float) -> None:
         settled: list[tuple[_Inflight, str]] = []
         for entry in list(self._inflight):
-            try:
-                state = self._nixl.check(entry.handle)
-            except Exception as exc:
-                logger.warning("check_xfer_state failed for %s: %s", entry.job.req_id, exc)
-                state = "ERR"
+            state = entry.state
+            if state is None:
+                try:
+                    state = self._nixl.check(entry.handle)
+                except Exception as exc:
+                    logger.warning("check_xfer_state failed for %s: %s", entry.job.req_id, exc)
+                    state = "ERR"
             if state == "PROC":
                 if now - entry.t_post > self._cfg.timeout_s:
                     self.fail(entry.job.req_id, f"{entry.job.stream} chunk from {entry.job.peer} stalled "
                               f"for more than {self._cfg.timeout_s}s")
+                continue
+            if state == "DONE" and now < entry.t_due:
+                entry.state = state  # the emulated link has not delivered it yet
                 continue
             settled.append((entry, state))
         # Chunks found settled in one pass completed in no order we can know (UCX does not order READ

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lynx_connector.transport import protocol as proto
-from lynx_connector.transport.pacing import TokenBucket
+from lynx_connector.transport.pacing import VirtualLink
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -90,24 +90,27 @@ def test_compat_hash_and_diff() -> None:
     assert proto.compat_hash(a) != proto.compat_hash(b)
 
 
-def test_token_bucket_math() -> None:
-    tb = TokenBucket(rate=1000.0, capacity=500.0, initial=100.0, now=0.0)
-    assert tb.consume(100, 0.0)
-    assert tb.wait_time(100, 0.0) == pytest.approx(0.1)
-    assert not tb.consume(100, 0.05)
-    assert tb.consume(100, 0.1)
-    assert tb.wait_time(500, 10.0) == 0.0  # refilled, capped at capacity
-    tb.consume(500, 10.0)
-    assert tb.wait_time(2000, 10.0) == pytest.approx(0.5)  # larger than capacity: needs a full bucket
+def test_virtual_link_math() -> None:
+    link = VirtualLink(rate=1000.0, catch_up_s=0.01)
+    assert link.wait_time(0.0) == 0.0
+    assert link.reserve(100, 0.0) == pytest.approx(0.1)  # an idle link has no credit: 100 bytes take 0.1 s
+    assert link.wait_time(0.05) == pytest.approx(0.05)  # the next chunk waits until the link is free
+    assert link.reserve(100, 0.105, backlogged=True) == pytest.approx(0.2)  # woke 5 ms late: starts at 0.1
+    assert link.reserve(100, 0.25, backlogged=True) == pytest.approx(0.35)  # 50 ms late: the link did idle
+    assert link.reserve(100, 0.36) == pytest.approx(0.46)  # not backlogged (nothing was waiting): no catch-up
+    assert link.wait_time(10.0) == 0.0
+    assert link.reserve(50, 10.0) == pytest.approx(10.05)  # a long idle gap stores no bandwidth
+    with pytest.raises(ValueError):
+        VirtualLink(rate=0.0, catch_up_s=0.01)
 
 
-def test_token_bucket_sustained_rate() -> None:
-    """Posting N bytes in chunks as soon as allowed takes (N - initial) / rate."""
-    tb = TokenBucket(rate=1e6, capacity=5e4, initial=1e4, now=0.0)
-    now, sent = 0.0, 0
+def test_virtual_link_sustained_rate() -> None:
+    """Posting N bytes in chunks as soon as allowed delivers the last byte at N / rate, never sooner; a thread that
+    wakes late by less than catch_up_s loses nothing."""
+    link = VirtualLink(rate=1e6, catch_up_s=0.005)
+    now, sent, due = 0.0, 0, 0.0
     while sent < 1_000_000:
-        w = tb.wait_time(10_000, now)
-        now += w
-        assert tb.consume(10_000, now)
+        now += link.wait_time(now) + (0.002 if sent else 0.0)  # every wake-up 2 ms late
+        due = link.reserve(10_000, now, backlogged=sent > 0)
         sent += 10_000
-    assert now == pytest.approx((1_000_000 - 10_000) / 1e6)
+    assert due == pytest.approx(1.0)

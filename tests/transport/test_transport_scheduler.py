@@ -102,7 +102,7 @@ def test_pacing_time_matches_link_rate(fabric: FakeFabric) -> None:
     sched, _, job, events, clock, _ = make(fabric, link_gbps=gbps, chunk_bytes=16 * KB, window_bytes=64 * KB)
     sched.submit(job("r1", "anchor", 0, 1 << 20))
     run_until_idle(sched, clock)
-    expected = ((1 << 20) - 16 * KB) / 1e9  # the bucket starts with one chunk
+    expected = (1 << 20) / 1e9  # every byte at the link rate: no credit
     assert events[0].ok and events[0].seconds == pytest.approx(expected, rel=1e-6)
 
 
@@ -142,7 +142,7 @@ def test_cancel_emits_nothing(fabric: FakeFabric) -> None:
     assert sched.idle and not events and dst.live_handles == 0
 
 
-def test_residual_held_while_anchor_expected_and_idle_reset(fabric: FakeFabric) -> None:
+def test_residual_held_while_anchor_expected_and_no_idle_credit(fabric: FakeFabric) -> None:
     sched, _, job, events, clock, _ = make(fabric, link_gbps=8 * 16 * KB / 1e9 * 1000)
     sched.submit(job("r1", "residual", 0, 32 * KB))
     sched.hold_until = 0.005
@@ -154,7 +154,7 @@ def test_residual_held_while_anchor_expected_and_idle_reset(fabric: FakeFabric) 
     sched.submit(job("r2", "anchor", 0, 64 * KB))
     t0 = clock.t
     run_until_idle(sched, clock)
-    assert clock.t - t0 == pytest.approx(3e-3)  # (64 - 16) KiB at 16 KiB/ms
+    assert clock.t - t0 == pytest.approx(4e-3)  # 64 KiB at 16 KiB/ms
 
 
 # ---- ranking across requests by what unblocks output (transport/ranking.py, issue 16.1) -----------------------
@@ -207,8 +207,8 @@ def test_full_request_behind_speculative_anchors_goes_before_their_residuals(fab
                               ("s1", "residual"), ("s2", "residual")], firsts
             assert at["s2", "anchor"] < at["f", "residual"] < at["s1", "residual"]
     # paced: 8 ms of speculative anchors + 4 ms of f = 12 ms, against every anchor + every residual before f's
-    assert finish[order] == pytest.approx(0.011)  # the bucket starts with one chunk of credit
-    assert finish["anchor_first"] == pytest.approx(0.023)
+    assert finish[order] == pytest.approx(0.012)
+    assert finish["anchor_first"] == pytest.approx(0.024)
 
 
 def test_whole_requests_move_back_to_back(fabric: FakeFabric) -> None:
@@ -222,7 +222,7 @@ def test_whole_requests_move_back_to_back(fabric: FakeFabric) -> None:
     assert [(e.req_id, e.stream) for e in events] == [("w1", "anchor"), ("w1", "residual"), ("w2", "anchor"),
                                                       ("w2", "residual")]
     at = landed(events, times)
-    assert at["w1", "residual"] == pytest.approx(0.007)  # w1 done after its own 128 KiB, not after w2's anchor
+    assert at["w1", "residual"] == pytest.approx(0.008)  # w1 done after its own 128 KiB, not after w2's anchor
 
 
 def test_srpt_serves_the_smaller_whole_request_first_and_a_split_anchor_preempts(fabric: FakeFabric) -> None:
@@ -336,6 +336,29 @@ def test_a_split_residual_fills_the_link_in_slices_while_its_anchor_waits_for_p(
     assert all(s == "residual" for s, _ in log[last_anchor + 1:]) and log[-1][1] <= 16 * KB
     assert any(n == 16 * KB for s, n in log[last_anchor + 1:])  # whole chunks once the anchor is posted
     assert [(e.stream, e.ok) for e in events] == [("anchor", True), ("residual", True)]
+
+
+def test_the_emulated_link_lends_no_credit_to_a_stream_or_its_anchor(fabric: FakeFabric) -> None:
+    """The link emulation delivers no byte before its link time (issue 15's 10x regime: a token bucket's one chunk
+    of credit let a single-stream request land a chunk early, and a speculative request's residual slices spend
+    that credit instead of its anchor). A split request's anchor, published in two parts 10 ms apart while its
+    residual fills the link in 4 KiB slices, lands no sooner than its remaining 48 KiB of link time after P
+    published them (3 ms) and no later than one slice after that."""
+    sched, events, clock, _mem = _layer_wise(fabric, "s", "split", pipeline_poll_s=0.0001)
+    times = []
+    while clock.t < 0.010:
+        n = len(events)
+        wait = sched.step()
+        times.extend([clock.t] * (len(events) - n))
+        clock.t += min(wait if wait is not None else 0.001, 0.010 - clock.t) or 0.0001
+    assert not events  # the first 16 KiB of anchor took 1 ms; nothing else was readable
+    t_pub = clock.t
+    sched.extend("s", {"anchor": None, "residual": None})
+    times += run_recording(sched, clock, events)
+    at = landed(events, times)
+    slice_s = 4 * KB / (16 * KB / 1e-3)
+    assert t_pub + 3e-3 - 1e-9 <= at["s", "anchor"] <= t_pub + 3e-3 + slice_s + 1e-9
+    assert at["s", "residual"] >= 128 * KB / (16 * KB / 1e-3) - 1e-9  # all 128 KiB at the link rate, at least
 
 
 def test_anchor_event_first_when_both_streams_settle_in_one_pass(fabric: FakeFabric) -> None:

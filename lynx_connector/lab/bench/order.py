@@ -1,7 +1,7 @@
 """``lynx bench order``: D's transfer ranking (``transport/ranking.py``) compared on a simulated clock.
 
 The real `TransferScheduler` runs against a NIXL stand-in whose READs complete at once, so the only clock is the
-scheduler's token bucket (``link_gbps``) driven by a simulated time: what is measured is the ranking, not this
+scheduler's emulated link (``link_gbps``, ``pacing.VirtualLink``) driven by a simulated time: what is measured is the ranking, not this
 machine. Requests arrive (all at once, or Poisson at a given link load), each with its mode's real plane sizes
 (the modes table's ``wire_nbytes`` for the lab model: 30 layers, 3 KV heads of 64, an fp32 cache, the e2e
 bench's servers), and the time each request's output is unblocked is recorded: a speculative request's first
@@ -39,7 +39,7 @@ class _Clock:
 
 
 class _InstantNixl:
-    """READs that complete when posted: the token bucket is the link."""
+    """READs that complete when posted: the emulated link is the only clock."""
 
     def post_read(self, peer: str, local_addr: int, remote_addr: int, nbytes: int) -> tuple[Any, str]:
         return object(), "DONE"

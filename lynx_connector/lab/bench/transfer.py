@@ -303,7 +303,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model, "tokens": args.tokens, "layers": layers, "kv_heads": heads, "head_size": dim,
         "concurrent_tokens": conc_tokens, "rates_gbps": rates, "reps": reps, "quick": bool(args.quick),
         "settings": {"chunk_bytes": MB, "window_bytes": 4 * MB, "progress_thread": False, "num_workers": 1,
-                     "burst_s": TransportConfig().burst_s, "anchor_holdoff_s": TransportConfig().anchor_holdoff_s},
+                     "catch_up_s": TransportConfig().catch_up_s, "anchor_holdoff_s": TransportConfig().anchor_holdoff_s},
         "timing": "t_anchor_s/t_full_s: seconds from pull() to the stream's completion event (includes the "
                   "region query round trip); achieved_gbps: bytes over t_data_s (first chunk post to completion)",
     }
