@@ -41,6 +41,7 @@ from lynx_connector.logger import init_logger
 from lynx_connector.modes import AUTO_MODE
 from lynx_connector.proxy_http import Passthrough, ProxyError
 from lynx_connector.proxy_upstream import Call, build_decode_request, decode, prefill
+from lynx_connector.trace import trace
 
 logger = init_logger(__name__)
 
@@ -107,6 +108,8 @@ async def serve_pipelined(session: aiohttp.ClientSession, book: FlowBook, prefil
     p_params = book.signer.sign(prefill_params(transfer_id, token, mode))
     d_params = book.signer.sign(decode_params(endpoint, call.request_id, transfer_id, token, mode))
     p_call = Call(call.request_id)
+    call.trace_key = transfer_id
+    trace("proxy", transfer_id, "start", mode=mode)
     held = [True]
 
     def release() -> None:  # once, whether P answered, failed, or its task was cancelled before it ran
@@ -118,6 +121,7 @@ async def serve_pipelined(session: aiohttp.ClientSession, book: FlowBook, prefil
         try:
             return await prefill(session, p_call, p_url, request, body, chat, kv_params=p_params)
         finally:
+            trace("proxy", transfer_id, "p_answered")
             release()
 
     p_task = asyncio.create_task(run_prefill())

@@ -25,6 +25,7 @@ from lynx_connector.proxy_http import (
     ProxyError,
     stream_error_event,
 )
+from lynx_connector.trace import trace
 
 logger = init_logger(__name__)
 
@@ -48,6 +49,7 @@ class Call:
     server: str | None = None
     stream: web.StreamResponse | None = None
     at_event_boundary: bool = True  # the bytes relayed so far end with a whole SSE event
+    trace_key: str = ""  # the transfer id, for LYNX_TRACE (lynx_connector/trace.py)
 
     async def end_stream(self, status: int, message: str) -> web.StreamResponse:
         """Close a stream that failed after its first bytes, as vLLM does: its error event, then [DONE]."""
@@ -190,7 +192,9 @@ async def _relay_stream(call: Call, request: web.Request, resp: aiohttp.ClientRe
                         gate: Callable[[], Awaitable[None]] | None = None) -> web.StreamResponse:
     if gate is not None:  # nothing reaches the client before the gate opens
         first = await resp.content.readany()
+        trace("proxy", call.trace_key or call.request_id, "d_first_bytes")
         await gate()
+        trace("proxy", call.trace_key or call.request_id, "gate_open")
     else:
         first = None
     out = web.StreamResponse(status=200, headers={"Content-Type": content_type, "Cache-Control": "no-cache"})

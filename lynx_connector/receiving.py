@@ -43,6 +43,7 @@ from lynx_connector.metadata import LynxConnectorMetadata, LynxWorkerMeta, RecvS
 from lynx_connector.modes import get_mode
 from lynx_connector.stats import LynxStats
 from lynx_connector.testing import FaultHooks
+from lynx_connector.trace import trace
 from lynx_connector.transport import StagingFullError, TransferSink
 
 logger = init_logger(__name__)
@@ -202,6 +203,7 @@ class ReceiveHalf:
             return True
         rec = _Recv(spec=spec, staged=staged, t_start=time.perf_counter())
         self._recvs[spec.req_id] = rec
+        trace("D", spec.transfer_id or spec.req_id, "pull")
         self._faults.track(spec.req_id, hooks)
         try:
             port = spec.port_for_rank(self.tp_rank)
@@ -278,6 +280,7 @@ class ReceiveHalf:
                 continue
             now = time.perf_counter() - rec.t_start
             mode = get_mode(rec.spec.mode)
+            trace("D", rec.spec.transfer_id or ev.req_id, f"{ev.stream}_landed", step=self._step)
             if ev.stream == "anchor":
                 rec.anchor_landed = True
                 self.stats.record_stream("anchor", ev.nbytes, now)
@@ -309,6 +312,8 @@ class ReceiveHalf:
             self._finish_recv(rec, error=f"decode failed: {exc}")
             return
         mode = get_mode(rec.spec.mode)
+        trace("D", rec.spec.transfer_id or rec.spec.req_id, "written_full" if full else "written_anchor",
+              step=self._step)
         if full and mode.late_residual:
             self._merged.add(rec.spec.req_id)
         if not full:

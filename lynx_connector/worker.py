@@ -45,6 +45,7 @@ from lynx_connector.receiving import ReceiveHalf
 from lynx_connector.saving import SaveQueue
 from lynx_connector.stats import LynxStats, TransportExporter
 from lynx_connector.testing import fault_hooks
+from lynx_connector.trace import trace
 from lynx_connector.transport import (
     StagingFullError,
     TransferSink,
@@ -234,6 +235,7 @@ class LynxConnectorWorker(ReceiveHalf):
             return
         if not job.published:
             self.source.publish(spec.req_id)  # False: D freed it meanwhile (aborted): its staging is freed now
+            trace("P", spec.transfer_id or spec.req_id, "published", encode_s=round(job.encode_s, 6))
         a, r = job.layout.nbytes
         self.stats.record_encode(a, r, job.encode_s)
 
@@ -307,9 +309,12 @@ class LynxConnectorWorker(ReceiveHalf):
                 self._layerwise_failed.add(job.req_id)
                 self._encode_failed(job, exc)
                 continue
+            if len(job.encoded) == 1:
+                trace("P", job.spec.transfer_id or job.req_id, "first_layer_encoded")
             if len(job.encoded) == len(self.layers):  # the last layer: whole (D may finish before wait_for_save)
                 job.published = True
                 self.source.publish(job.req_id)
+                trace("P", job.spec.transfer_id or job.req_id, "published", encode_s=round(job.encode_s, 6))
                 continue
             a, r = job.ready_bytes()
             if a and not self.source.publish_partial(job.req_id, a, r):  # D gave up on it: stop encoding it
@@ -349,6 +354,7 @@ class LynxConnectorWorker(ReceiveHalf):
         if self.source is None:
             return
         for tid, tok in first_tokens.items():
+            trace("P", tid, "first_token_announced")
             try:
                 self.source.set_first_token(tid, tok)
             except ValueError as exc:

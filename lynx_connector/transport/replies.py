@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from lynx_connector.logger import init_logger
+from lynx_connector.trace import trace
 from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.events import ANCHOR, RESIDUAL
 from lynx_connector.transport.link import PeerLink, PullState
@@ -202,6 +203,8 @@ class ReplyHandlers:
         assert old is not None
         if ready is None or ready[0] > old[0] or ready[1] > old[1]:
             pull.progress_at = now
+        if ready is None:
+            trace("D", pull.transfer_id, "all_published_seen")
         self._sched.extend(pull.req_id, {ANCHOR: None if ready is None else ready[0],
                                          RESIDUAL: None if ready is None else ready[1]})
         pull.ready = ready
