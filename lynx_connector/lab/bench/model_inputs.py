@@ -4,8 +4,8 @@
   fraction of memcpy of the same bytes measured in the same run (the model applies the fraction to the GPU's
   copy rate: a codec kernel is memory-bound on both).
 - ``transfer.json`` (``lynx bench transfer``): at the paced rates whose achieved/paced check passed (the others
-  were bound by this machine's memory, not the transport), the worst achieved/paced ratio (capped at 1: a ratio
-  above 1 is the token bucket's first burst), the anchor's share of the link while a residual also streams
+  were bound by this machine's memory, not the transport), the worst achieved/paced ratio (capped at 1: the
+  results before the virtual link clock of 12-04 came from a token bucket whose first chunk rode on credit), the anchor's share of the link while a residual also streams
   (int4's seconds per byte over Lynx's time-to-anchor per anchor byte: the two move nearly the same bytes), the
   descriptors per plane, and the side-channel round trip (pull() to the first chunk posted).
 - ``e2e_gate.json`` / ``e2e.json`` (``lynx bench e2e``): speculative acceptance (accepted / speculated, pooled
