@@ -171,6 +171,12 @@ class LynxConfig:
     #: busy loop, which takes the CPU from a P on the same machine (the concurrent flow's D waits through P's whole
     #: prefill). A request arriving at an idle D meanwhile waits at most this long; 0 = no wait. Seconds, <= 1.
     idle_wait_s: float = 0.02
+    #: D, speculative mode: when a request's anchor lands and the rest of its residual (all published by P) is
+    #: due within this long at the link's rate (``link_gbps``, else the rate the anchor achieved), D waits that
+    #: long for it and decodes at full precision instead of starting on the anchor: a step on the anchor would be
+    #: followed by the merge and a verification step anyway (about one decode step: 0.05 s for the lab model on
+    #: this CPU). 0 = always start on the anchor. Seconds, <= 1.
+    residual_grace_s: float = 0.05
     #: ``auto`` (P): the configured link's rate is used when ``link_gbps`` is set; otherwise P measures it from
     #: the transfers D completed within this many recent seconds (none yet: passthrough).
     auto_window_s: float = 30.0
@@ -201,8 +207,9 @@ class LynxConfig:
 
         if self.transfer_order not in ORDERS:
             raise LynxConfigError(f"transfer_order: expected one of {', '.join(ORDERS)}, got {self.transfer_order!r}")
-        if not 0.0 <= self.idle_wait_s <= 1.0:
-            raise LynxConfigError(f"idle_wait_s: must be in [0, 1] seconds, got {self.idle_wait_s!r}")
+        for name in ("idle_wait_s", "residual_grace_s"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise LynxConfigError(f"{name}: must be in [0, 1] seconds, got {getattr(self, name)!r}")
         if self.window_bytes < self.chunk_bytes:
             raise LynxConfigError(
                 f"window_bytes ({self.window_bytes}) must be >= chunk_bytes ({self.chunk_bytes})"
@@ -268,7 +275,7 @@ class LynxConfig:
                 kw[key] = _as_int(key, extra[key], minimum=lo, maximum=hi)
         for key, lo in (("lease_s", 0.1), ("timeout_s", 0.1), ("speculative_min_margin", 0.0),
                         ("concurrent_wait_s", 1.0), ("max_stream_wait_s", 0.001), ("auto_window_s", 0.1),
-                        ("idle_wait_s", 0.0)):
+                        ("idle_wait_s", 0.0), ("residual_grace_s", 0.0)):
             if key in extra:
                 kw[key] = _as_float(key, extra[key], minimum=lo, allow_none=key == "lease_s")
         if "side_channel_host" in extra:

@@ -44,7 +44,7 @@ from lynx_connector.modes import get_mode
 from lynx_connector.stats import LynxStats
 from lynx_connector.testing import FaultHooks
 from lynx_connector.trace import trace
-from lynx_connector.transport import StagingFullError, TransferSink
+from lynx_connector.transport import StagingFullError, TransferEvent, TransferSink
 
 logger = init_logger(__name__)
 
@@ -60,6 +60,7 @@ class _Recv:
     residual_landed: bool = False
     reported: bool = False  # finished_recving already sent to the scheduler
     anchor_step: int = -1  # worker step in which the anchor was written (speculative mode)
+    grace_until: float | None = None  # speculative: the anchor waits for a residual due before this (monotonic)
 
 
 class ReceiveHalf:
@@ -271,7 +272,10 @@ class ReceiveHalf:
             if rec is not None:
                 self._apply(rec, full=True)
         self._take_staged()
-        for ev in self.sink.poll():
+        self._end_graces()
+        events = self.sink.poll()
+        landing = {e.req_id for e in events if e.ok and e.stream == "residual"}
+        for ev in events:
             rec = self._recvs.get(ev.req_id)
             if rec is None:
                 continue
@@ -289,7 +293,11 @@ class ReceiveHalf:
                     self._finish_recv(rec, error=bad)
                     continue
                 if mode.decodes_on_anchor:
-                    self._apply(rec, full=False)
+                    if mode.late_residual and self._residual_due(rec, ev, ev.req_id in landing):
+                        rec.grace_until = time.monotonic() + self.config.residual_grace_s
+                        trace("D", rec.spec.transfer_id or ev.req_id, "anchor_waits_for_residual", step=self._step)
+                    else:
+                        self._apply(rec, full=False)
             else:
                 rec.residual_landed = True
                 self.stats.record_stream("residual", ev.nbytes, now)
@@ -303,6 +311,33 @@ class ReceiveHalf:
                 self._apply(rec, full=True)
         if self._recv_waiting:  # staging freed by the pulls that finished above
             self._retry_waiting_recvs()
+
+    def _residual_due(self, rec: _Recv, anchor: TransferEvent, landed: bool) -> bool:
+        """Speculative: whether the rest of the request's residual (all published by P) is due within
+        ``residual_grace_s`` at the link's rate (``link_gbps``, else the rate its anchor achieved). Then a step on
+        the anchor would buy nothing: the merge and a verification step would follow it at once. ``landed``: its
+        event came in this same poll."""
+        assert self.sink is not None
+        grace = self.config.residual_grace_s
+        if grace <= 0 or self._faults.residual_late(rec.spec.req_id):
+            return False
+        if landed:
+            return True
+        left = self.sink.left(rec.spec.req_id, "residual")
+        if left is None:
+            return False
+        rate = self.sink.config.link_bytes_per_s
+        if rate is None and anchor.data_seconds:
+            rate = anchor.nbytes / anchor.data_seconds
+        return rate is not None and left <= rate * grace
+
+    def _end_graces(self) -> None:
+        """Anchors whose residual did not land within its grace: start on the anchor after all."""
+        now = time.monotonic()
+        for rec in list(self._recvs.values()):
+            if rec.grace_until is not None and now >= rec.grace_until and not rec.residual_landed:
+                rec.grace_until = None
+                self._apply(rec, full=False)
 
     def _apply(self, rec: _Recv, full: bool) -> None:
         try:

@@ -138,6 +138,11 @@ class FaultHooks:
         if self.corrupt_all or self._hooks.get(req_id, {}).get("corrupt_residual"):
             residual.bitwise_xor_(0x5A)
 
+    def residual_late(self, req_id: str) -> bool:
+        """``delay_residual_steps`` stands for a residual that lands steps after the anchor: D must not wait for
+        it (``residual_grace_s``), whenever it really landed."""
+        return bool(self._hooks.get(req_id, {}).get("delay_residual_steps"))
+
     def defer_merge(self, req_id: str, anchor_step: int, step: int) -> bool:
         """True when the merge of a landed residual must wait (``delay_residual_steps``); ``due_merges`` hands
         it back in the step it is due."""

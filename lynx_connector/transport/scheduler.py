@@ -135,6 +135,12 @@ class TransferScheduler:
             if job is not None and job.ready is not None:
                 job.ready = None if n is None or n >= job.nbytes else max(job.ready, n)
 
+    def left(self, req_id: str, stream: str) -> int | None:
+        """Bytes of a queued stream not landed yet, once P has published all of it; None otherwise (P still
+        publishes it, or it is not queued: finished or unknown)."""
+        job = self._jobs.get((req_id, stream))
+        return None if job is None or job.ready is not None else job.nbytes - job.done
+
     def pending_requests(self) -> set[str]:
         """Requests with a stream queued or in flight."""
         ids = {j.req_id for j in self._jobs.values()}

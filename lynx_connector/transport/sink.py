@@ -214,6 +214,11 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower):
             out, self._events = self._events, []
         return out
 
+    def left(self, req_id: str, stream: str) -> int | None:
+        """Bytes of a stream not landed yet once P has published all of it, else None (read from the service
+        thread's scheduler without its lock: an estimate, for D's choice to wait for a residual)."""
+        return self._sched.left(req_id, stream)
+
     def release(self, req_id: str) -> None:
         """Tell P to free the request's staging (idempotent; D's views stay the caller's)."""
         self._cmd(("release", req_id, None))

@@ -190,6 +190,73 @@ def test_residual_failure_after_the_anchor_is_reported_in_worker_meta(pair):
     assert_staging_freed(p, d)
 
 
+def record_writes(d) -> list[bool]:
+    """The ``full`` flag of every write of a pull into D's blocks, in order."""
+    calls: list[bool] = []
+    real = d._write_blocks
+
+    def write(rec, full):
+        calls.append(full)
+        real(rec, full)
+
+    d._write_blocks = write
+    return calls
+
+
+@pytest.mark.parametrize("grace", [0.05, 0.0])
+def test_a_residual_landing_with_its_anchor_is_not_preceded_by_an_anchor_step(pair, grace):
+    """``residual_grace_s``: when a speculative request's residual lands with its anchor, D writes it at full
+    precision once and reports it ready and merged in one step (no step on the anchor, whose merge and verification
+    would follow at once); with 0 it starts on the anchor and merges in the same step, as before."""
+    make, _ = pair
+    (p, p_caches), (d, d_caches) = make("kv_producer"), make("kv_consumer", residual_grace_s=grace)
+    writes = record_writes(d)
+    publish(p, "speculative")
+    paced_events(d, 2)
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, "speculative")]))
+    poll_until([p, d], lambda: "d1" not in d._recvs)
+    assert writes == ([True] if grace else [False, True])
+    assert d.take_results() == ({"d1"}, set())
+    assert d.take_worker_meta().residual_merged == {"d1"}  # ready and merged in the same step
+    full = expected(p_caches, "speculative", full=True)
+    assert all(torch.equal(d_caches[n], full[n]) for n in d_caches)
+    assert_staging_freed(p, d)
+
+
+def test_an_anchor_waits_no_longer_than_its_grace_for_a_due_residual(pair):
+    """A residual that is due (few bytes left) but does not land within ``residual_grace_s``: D starts on the
+    anchor when the grace ends, and merges the residual when it lands."""
+    make, _ = pair
+    (p, p_caches), (d, d_caches) = make("kv_producer"), make("kv_consumer", residual_grace_s=0.2)
+    writes = record_writes(d)
+    real_poll, held = d.sink.poll, []
+    release = [False]
+
+    def poll():  # the anchor's event as it comes; the residual's only once the test releases it
+        out = []
+        for ev in real_poll() + held:
+            (out if ev.stream == "anchor" or release[0] else held).append(ev)
+        held[:] = [e for e in held if e not in out]
+        return out
+
+    d.sink.poll = poll
+    d.sink.left = lambda req_id, stream: 1  # one byte left: due at any rate
+    publish(p, "speculative")
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, "speculative")]))
+    poll_until([p, d], lambda: d._recvs["d1"].anchor_landed)
+    t_anchor = time.monotonic()
+    assert writes == [] and d._recvs["d1"].grace_until is not None  # waiting for the residual
+    poll_until([p, d], lambda: writes == [False])
+    assert time.monotonic() - t_anchor >= 0.15  # not before the grace ended
+    assert d.take_results() == ({"d1"}, set())  # running on its anchor
+    anchor = expected(p_caches, "speculative", full=False)
+    assert all(torch.equal(d_caches[n], anchor[n]) for n in d_caches)
+    release[0] = True
+    poll_until([p, d], lambda: "d1" not in d._recvs)
+    assert writes == [False, True] and d.take_worker_meta().residual_merged == {"d1"}
+    assert_staging_freed(p, d)
+
+
 def test_residual_failure_in_the_anchors_step_is_a_plain_load_failure(pair):
     make, _ = pair
     (p, _), (d, _) = make("kv_producer"), make("kv_consumer")
