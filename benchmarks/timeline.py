@@ -29,8 +29,10 @@ EVENTS = [
 ]
 
 
-def load(path: Path) -> dict[str, dict[str, float]]:
-    """Per trace key (transfer id), the first time of each ``who.ev``, with the mode from the proxy's start."""
+def load(path: Path, min_prefill_s: float = 0.0) -> dict[str, dict[str, float]]:
+    """Per trace key (transfer id), the first time of each ``who.ev``, with the mode from the proxy's start;
+    requests P published sooner than ``min_prefill_s`` after the start (a bench's short warm-up prompts) are left
+    out."""
     reqs: dict[str, dict[str, float]] = defaultdict(dict)
     modes: dict[str, str] = {}
     for line in path.read_text().splitlines():
@@ -41,7 +43,7 @@ def load(path: Path) -> dict[str, dict[str, float]]:
             modes[rec["key"]] = rec.get("mode", "?")
     out = {}
     for key, evs in reqs.items():
-        if "proxy.start" in evs:
+        if "proxy.start" in evs and evs.get("P.published", float("inf")) - evs["proxy.start"] >= min_prefill_s:
             t0 = evs["proxy.start"]
             out[key] = {"mode": modes[key], **{k: v - t0 for k, v in evs.items()}}
     return out
@@ -74,9 +76,11 @@ def markdown(table: dict[str, dict[str, float]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", type=Path, help="the LYNX_TRACE file")
+    ap.add_argument("--min-prefill-s", type=float, default=0.0,
+                    help="leave out requests P published sooner than this after the start (warm-ups)")
     ap.add_argument("--out", type=Path, help="write the per-mode medians and every request's events here (JSON)")
     args = ap.parse_args(argv)
-    reqs = load(args.trace)
+    reqs = load(args.trace, args.min_prefill_s)
     if not reqs:
         print(f"no pipelined request in {args.trace} (no proxy 'start' line)", file=sys.stderr)
         return 1

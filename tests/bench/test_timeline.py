@@ -60,6 +60,7 @@ def test_timeline_lines_up_requests_from_the_proxy_start(tmp_path: Path) -> None
     assert table["int8"]["D.pull"] == pytest.approx(0.2)
     md = tl.markdown(table)
     assert "| int8 | 2 |" in md and "P.published" in md
+    assert set(tl.load(path, min_prefill_s=2.95)) == {"b"}  # a (published after 2.9 s) taken for a warm-up
     out = tmp_path / "t.json"
     assert tl.main([str(path), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["medians"]["int8"]["n"] == 2
