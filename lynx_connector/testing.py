@@ -139,9 +139,10 @@ class FaultHooks:
             residual.bitwise_xor_(0x5A)
 
     def residual_late(self, req_id: str) -> bool:
-        """``delay_residual_steps`` stands for a residual that lands steps after the anchor: D must not wait for
-        it (``residual_grace_s``), whenever it really landed."""
-        return bool(self._hooks.get(req_id, {}).get("delay_residual_steps"))
+        """``delay_residual_steps`` (0 included) stands for a residual that lands steps after the anchor: D must
+        not wait for it (``residual_grace_s``), whenever it really landed; the delayed merge counts its steps from
+        the anchor's write, so an anchor held back by the grace would never be merged."""
+        return self._hooks.get(req_id, {}).get("delay_residual_steps") is not None
 
     def defer_merge(self, req_id: str, anchor_step: int, step: int) -> bool:
         """True when the merge of a landed residual must wait (``delay_residual_steps``); ``due_merges`` hands

@@ -223,6 +223,25 @@ def test_a_residual_landing_with_its_anchor_is_not_preceded_by_an_anchor_step(pa
     assert_staging_freed(p, d)
 
 
+@pytest.mark.parametrize("delay", [0, 2])
+def test_a_delayed_merge_hook_opts_out_of_the_grace_even_at_zero_steps(pair, delay):
+    """``delay_residual_steps`` (0 included) stands for a residual that lands after the anchor: D starts on the
+    anchor and merges ``delay`` steps later. Before, a 0 let the grace hold the anchor back while the hook waited
+    for the anchor's step: the request never finished (the CI hang of tests/integration/test_speculative.py)."""
+    make, _ = pair
+    (p, p_caches), (d, d_caches) = make("kv_producer"), make("kv_consumer", residual_grace_s=0.05)
+    writes = record_writes(d)
+    publish(p, "speculative")
+    paced_events(d, 2)  # the residual lands in the anchor's poll: the grace would apply without the hook
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, "speculative")],
+                                       test_hooks={"d1": {"delay_residual_steps": delay}}))
+    poll_until([p, d], lambda: "d1" not in d._recvs)
+    assert writes == [False, True]
+    full = expected(p_caches, "speculative", full=True)
+    assert all(torch.equal(d_caches[n], full[n]) for n in d_caches)
+    assert_staging_freed(p, d)
+
+
 def test_an_anchor_waits_no_longer_than_its_grace_for_a_due_residual(pair):
     """A residual that is due (few bytes left) but does not land within ``residual_grace_s``: D starts on the
     anchor when the grace ends, and merges the residual when it lands."""
