@@ -4,7 +4,8 @@ full-precision modes only (the lossless passthrough ``bf16``, Lynx ``full``, Lyn
 
 Rule (:func:`choose`; docs/OPERATIONS.md "Auto mode"). ``R`` is the link rate: ``link_gbps`` when configured,
 else measured by P from the transfers D completed within ``auto_window_s`` (bytes over the time at least one of
-them was being read, from D's first query to its Done); ``Q`` the bytes staged on P that D has not finished
+them was being read, from D's first query to its Done; for a transfer D read while P still published its layers,
+possibly only its last layers' bytes from when they became readable: ``transport/source.py`` ``_link_span``); ``Q`` the bytes staged on P that D has not finished
 reading; ``T_p`` the estimated prefill time of this prompt (P's recent seconds per prompt token); ``C`` the
 estimated Lynx codec time of this prompt (P's recent Lynx encode seconds per token, twice: D decodes too).
 

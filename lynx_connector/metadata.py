@@ -21,7 +21,7 @@ from lynx_connector.auto import AUTO_KEY, AUTO_REASONS
 from lynx_connector.compat import staged_dtype_names
 from lynx_connector.concurrent import CONCURRENT, FLOW_KEY, LYNX_PARAMS_VERSION
 from lynx_connector.fanout import CHILD_KEYS, CHILDREN_KEY, MAX_CHILDREN, child_of
-from lynx_connector.modes import MODE_NAMES, is_mode
+from lynx_connector.modes import AUTO_MODE, MODE_NAMES, is_mode
 
 #: Length of a transfer id and of a capability token (16 random bytes, hex; protocol v2).
 TICKET_HEX_LEN = 32
@@ -49,6 +49,8 @@ class SaveSpec:
     #: kv_transfer_params); D must present both to query or free the staging.
     transfer_id: str = ""
     token: str = ""
+    #: Why ``auto`` chose ``mode`` (lynx_connector.auto.AUTO_REASONS); "" = asked for. Named to D in Regions.
+    auto_reason: str = ""
 
 
 @dataclass
@@ -76,6 +78,9 @@ class RecvSpec:
     kv_dtype: str = ""
     #: Concurrent flow: P may not have the request yet; D waits for it (``concurrent_wait_s``).
     concurrent: bool = False
+    #: Auto in the concurrent flow: P chooses the mode as it prefills and names it in its Regions; until then
+    #: ``mode`` is what D would serve a Lynx choice as (speculative when it can, else full).
+    auto: bool = False
 
     def port_for_rank(self, tp_rank: int) -> int:
         """The side-channel port of P's worker that holds this D worker's shard of the KV."""
@@ -124,6 +129,9 @@ class LynxWorkerMeta(KVConnectorWorkerMetadata):
     #: P, for ``auto`` (lynx_connector/auto.py): (measured link bytes/s or 0, bytes staged that D has not finished
     #: reading, recent Lynx encode seconds per token or 0); None on steps that carry no new measure.
     p_link: tuple[float, int, float] | None = None
+    #: D, auto in the concurrent flow: the mode each request is served as, once P named its choice, and P's
+    #: reason (lynx_connector.auto.AUTO_REASONS).
+    auto_modes: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, LynxWorkerMeta):
@@ -134,7 +142,8 @@ class LynxWorkerMeta(KVConnectorWorkerMetadata):
         # Every rank's P names the same first token (P's scheduler sends it to all its workers): any rank's will do.
         return LynxWorkerMeta(residual_merged=(self.residual_merged & other.residual_merged) - failed,
                               residual_failed=failed, first_tokens={**other.first_tokens, **self.first_tokens},
-                              p_link=self.p_link or other.p_link)  # rank 0's first
+                              p_link=self.p_link or other.p_link,  # rank 0's first
+                              auto_modes={**other.auto_modes, **self.auto_modes})  # P's scheduler chose once
 
 
 @dataclass
@@ -237,8 +246,9 @@ class RemotePrefill:
         if num_tokens < 0 or (num_tokens == 0 and not concurrent):
             raise InvalidTransferParams(f"remote_num_tokens must be > 0, got {num_tokens}")
         mode = need("lynx_mode", str)
-        if not is_mode(mode):
-            raise InvalidTransferParams(f"lynx_mode {mode!r} is not one of {', '.join(MODE_NAMES)}")
+        if not is_mode(mode) and not (concurrent and mode == AUTO_MODE):  # auto: P names its choice in Regions
+            raise InvalidTransferParams(f"lynx_mode {mode!r} is not one of {', '.join(MODE_NAMES)}"
+                                        + (f" (or {AUTO_MODE}, in the concurrent flow)" if concurrent else ""))
         if not (0 < len(host) <= 255 and 0 < len(request_id) <= 1024 and 0 < len(engine_id) <= 256):
             raise InvalidTransferParams("remote_host/remote_request_id/remote_engine_id empty or too long")
         transfer_id, token = params.get("lynx_transfer_id"), params.get("lynx_token")

@@ -73,8 +73,8 @@ class FlowBook:
         """(P's side channel, the request's mode) when this request can go the pipelined way, else None."""
         endpoint = self.endpoints.get(p_url)
         mode = client_mode(body) or self.default_mode.get(p_url)
-        # auto: P picks the mode as it prefills and its answer tells D (issue 16.3): only the sequential way
-        if self.signer is None or endpoint is None or mode is None or mode == AUTO_MODE or fans_out(body):
+        # auto: P picks the mode as it prefills and names it to D in its side-channel Regions (protocol v3)
+        if self.signer is None or endpoint is None or mode is None or fans_out(body):
             self.counts["sequential"] += 1
             return None
         self.counts["pipelined"] += 1

@@ -9,6 +9,8 @@ reports the request ready, and merges the residual in place later (signalled thr
 the very step its anchor is reported turns into an ordinary ``failed_recving``). A pull that finds no room in
 D's staging waits in arrival order until its deadline. A pull of the concurrent flow (P may not have the request
 yet) takes D's staging only once P has staged it (`TransferSink.watch` / `attach`): it joins that queue then.
+With ``auto`` in that flow P chooses the mode as it prefills: the mode P names then sets the request's sizes and
+how D serves it (a Lynx choice as D can: speculative or full), reported to the scheduler half (``auto_modes``).
 Integrity (issue 14.4): D verifies every layer of a plane as soon as the plane lands (its checksum, seeded with
 P's transfer id and the staging's generation, and the anchor's metadata finite) before anything of it is
 decoded: a mismatch fails only that request, by the same path as a failed stream.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -84,6 +86,7 @@ class ReceiveHalf:
         self._recv_waiting: OrderedDict[str, tuple[RecvSpec, dict[str, Any], float]] = OrderedDict()
         self._merged: set[str] = set()
         self._residual_failed: set[str] = set()
+        self._auto_modes: dict[str, tuple[str, str]] = {}  # auto, concurrent flow: served as, P's reason
 
     def start_load(self, meta: LynxConnectorMetadata) -> None:
         for req_id in meta.recv_aborted:
@@ -134,10 +137,13 @@ class ReceiveHalf:
         self._recvs[spec.req_id] = rec
         self._faults.track(spec.req_id, hooks)
         a, r = self._pull_layout(spec).nbytes
+        # auto: P names the mode it chose in its Regions; each mode D accepts from it has its own sizes
+        layouts = {m: self._pull_layout(replace(spec, mode=m)).nbytes for m in self.config.auto_modes} \
+            if spec.auto else None
         try:
             self.sink.watch(spec.req_id, spec.remote_host, spec.port_for_rank(self.tp_rank), spec.transfer_id,
                             spec.token, a, r, wait_s=self.config.concurrent_wait_s,
-                            order=get_mode(spec.mode).pull_order)
+                            order=get_mode(spec.mode).pull_order, layouts=layouts)
         except ValueError as exc:
             self._finish_recv(rec, error=f"cannot pull: {exc}")
 
@@ -145,9 +151,14 @@ class ReceiveHalf:
         """Watched requests P has staged join the queue for D's staging (in the order P staged them)."""
         assert self.sink is not None
         deadline = time.monotonic() + self.config.timeout_s
-        for req_id in self.sink.staged():
+        for req_id, p_mode, reason in self.sink.staged():
             rec = self._recvs.get(req_id)
             if rec is not None and rec.staged is None and req_id not in self._recv_waiting:
+                if rec.spec.auto:  # P's choice: a Lynx one is served as D picked (speculative or full)
+                    served = rec.spec.mode if get_mode(p_mode).two_stream else p_mode
+                    rec.spec = replace(rec.spec, mode=served, auto=False)
+                    self._auto_modes[req_id] = (served, reason)
+                    trace("D", rec.spec.transfer_id or req_id, "auto", mode=served)
                 self._recv_waiting[req_id] = (rec.spec, {}, deadline)
 
     def _retry_waiting_recvs(self) -> None:
@@ -200,7 +211,8 @@ class ReceiveHalf:
             return False  # room comes back as other pulls finish (it fits the pool: checked on arrival)
         if (held := self._recvs.get(spec.req_id)) is not None:  # watched, staged by P: its transfer starts now
             held.staged = staged
-            self.sink.attach(spec.req_id, staged.anchor, staged.residual if r else None)
+            self.sink.attach(spec.req_id, staged.anchor, staged.residual if r else None,
+                             order=get_mode(spec.mode).pull_order)
             return True
         rec = _Recv(spec=spec, staged=staged, t_start=time.perf_counter())
         self._recvs[spec.req_id] = rec
@@ -414,8 +426,8 @@ class ReceiveHalf:
 
     def take_worker_meta(self) -> LynxWorkerMeta | None:
         tokens = dict(self.sink.first_tokens()) if self.sink is not None else {}  # concurrent flow: P's first tokens
-        if not self._merged and not self._residual_failed and not tokens:
+        if not self._merged and not self._residual_failed and not tokens and not self._auto_modes:
             return None
-        merged, failed = self._merged, self._residual_failed
-        self._merged, self._residual_failed = set(), set()
-        return LynxWorkerMeta(residual_merged=merged, residual_failed=failed, first_tokens=tokens)
+        merged, failed, auto = self._merged, self._residual_failed, self._auto_modes
+        self._merged, self._residual_failed, self._auto_modes = set(), set(), {}
+        return LynxWorkerMeta(residual_merged=merged, residual_failed=failed, first_tokens=tokens, auto_modes=auto)

@@ -151,9 +151,6 @@ class LynxConnectorScheduler:
         elif not self.config.mode_allowed(mode):
             message = (f"lynx_mode {mode!r} is not allowed on this deployment (allowed_modes: "
                        f"{', '.join(self.config.allowed_modes)})")
-        elif mode == AUTO_MODE and params.get(FLOW_KEY) == CONCURRENT:
-            message = ("lynx_mode 'auto' needs the sequential flow (P chooses, its answer tells D); the concurrent "
-                       "flow tells D the mode before P prefills: name a transfer mode")
         else:
             return mode
         self._refused[req_id] = {"message": message, "type": "BadRequestError",
@@ -232,7 +229,8 @@ class LynxConnectorScheduler:
         local_hit = self._local_hits.pop(request.request_id, 0)
         block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens > 0 else []
         num_tokens = local_hit + num_external_tokens if num_external_tokens > 0 else 0
-        mode = self._decode_mode(request, remote.mode)
+        auto = remote.mode == AUTO_MODE  # concurrent flow: P names its choice in Regions (`_auto_served`)
+        mode = self._auto_served(request) if auto else self._decode_mode(request, remote.mode)
         spec = RecvSpec(
             req_id=request.request_id,
             block_ids=block_ids[: -(-num_tokens // self.block_size)] if num_tokens else [],
@@ -247,6 +245,7 @@ class LynxConnectorScheduler:
             token=remote.token,
             kv_dtype=remote.kv_dtype,
             concurrent=remote.concurrent,
+            auto=auto,
         )
         self._recv_pending.append(spec)
         if remote.auto_reason:  # reported in its final output
@@ -294,6 +293,16 @@ class LynxConnectorScheduler:
             req_id=request.request_id, block_ids=[], num_tokens=0, skip_blocks=0, remote_host=remote.host,
             remote_ports=remote.ports, remote_req_id=remote.request_id, remote_engine_id=remote.engine_id,
             mode=remote.mode, transfer_id=remote.transfer_id, token=remote.token))
+
+    def _auto_served(self, request: Request) -> str:
+        """D, auto in the concurrent flow: the mode a Lynx choice of P's is served as (speculative when this D
+        can, else full; the passthrough when D allows no Lynx mode). Until P names its choice the request is
+        treated as this mode: a provisional speculative one is fenced from the prefix cache and pending its
+        residual; P choosing the passthrough lifts the latter (``update_connector_output``)."""
+        allowed = self.config.auto_modes
+        if "speculative" in allowed:
+            return self._decode_mode(request, "speculative")
+        return "full" if "full" in allowed else allowed[0]
 
     def _decode_mode(self, request: Request, mode: str) -> str:
         """D's mode for a pull: speculation needs the Lynx scheduler, otherwise the request is served as its
@@ -365,7 +374,8 @@ class LynxConnectorScheduler:
             block_ids = list(self._kv_cache_manager.get_block_ids(req_id)[0][:n_blocks])
             tid, token = self._save_ticket[req_id] = self._given_ticket.pop(req_id, None) or mint_ticket()
             meta.reqs_to_save.append(SaveSpec(req_id=req_id, block_ids=block_ids, num_tokens=req.num_prompt_tokens,
-                                              mode=self._save_mode[req_id], transfer_id=tid, token=token))
+                                              mode=self._save_mode[req_id], transfer_id=tid, token=token,
+                                              auto_reason=self._auto_reason.get(req_id, "")))
             self._saved.add(req_id)
         return meta
 
@@ -375,6 +385,11 @@ class LynxConnectorScheduler:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, LynxWorkerMeta):
             self._auto.observe(meta.p_link)
+            for req_id, (mode, reason) in meta.auto_modes.items():  # D: P named its auto choice (concurrent flow)
+                self._auto_report[req_id] = {"mode": mode, "reason": reason}
+                if not get_mode(mode).late_residual and req_id in self.spec_pending:
+                    self.spec_pending.discard(req_id)  # reported ready only once its KV is whole
+                    self.spec_first_token.pop(req_id, None)
             for req_id, tok in meta.first_tokens.items():  # concurrent flow: P's token, later than the params
                 if req_id in self.spec_pending:
                     self.spec_first_token.setdefault(req_id, tok)

@@ -253,7 +253,7 @@ class LynxConnectorWorker(ReceiveHalf):
             self.stats.record_failure("too_large")
             return None
         staged = self.source.alloc(spec.req_id, a, r, transfer_id=spec.transfer_id or None,
-                                   token=spec.token or None)
+                                   token=spec.token or None, mode=spec.mode, auto_reason=spec.auto_reason)
         sid = staging_id(self.source.ticket(spec.req_id)[0], staged.generation)  # seeds the checksums
         self._faults.out_of_range_kv(spec.req_id, self.layers[0][1], self.layout, spec.block_ids, spec.num_tokens)
         return StagingJob(spec.req_id, spec, self._codec(spec.mode), sl, staged, sid)

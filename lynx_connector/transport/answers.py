@@ -95,6 +95,8 @@ class SourceAnswers:
                 anchor_ready=ready[0],
                 residual_ready=ready[1],
                 first_token=entry.first_token,
+                mode=entry.mode,
+                auto_reason=entry.auto_reason,
             )
         if isinstance(msg, proto.Done):
             with self._lock:

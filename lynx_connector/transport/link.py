@@ -1,5 +1,5 @@
 """D's control-path state: the side-channel connection to one P (`PeerLink`: a zmq DEALER socket, the handshake
-and session state (protocol v2: Hello -> Challenge -> Auth -> HelloOk, then sealed frames) and liveness), one
+and session state (protocol v3: Hello -> Challenge -> Auth -> HelloOk, then sealed frames) and liveness), one
 pull's state (`PullState`) and the Dones owed to peers (`DoneCourier`).
 
 The sink's service thread owns every link (zmq sockets are not thread-safe). A link can be re-opened: a new
@@ -14,6 +14,7 @@ import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -23,7 +24,7 @@ from lynx_connector.transport import protocol as proto
 
 logger = init_logger(__name__)
 
-__all__ = ["Addr", "DoneCourier", "PeerLink", "PullState"]
+__all__ = ["Addr", "DoneCourier", "PeerLink", "PullState", "Staged"]
 
 Addr = tuple[str, int]
 
@@ -223,11 +224,26 @@ class PullState:
     #: whether D stopped asking for it (a bad value, or P no longer answers for the transfer).
     first_token: int = -1
     token_given_up: bool = False
+    #: Watched pulls only (auto in the concurrent flow): the (anchor, residual) bytes D would stage for each
+    #: transfer mode P may have chosen; P's first Regions names the mode (``Regions.mode``) and so the sizes.
+    #: None: the sizes given to `watch` apply, whatever P names.
+    layouts: dict[str, tuple[int, int]] | None = None
+    #: The mode P named for it, and why auto chose it ("" when P named none).
+    mode: str = ""
+    auto_reason: str = ""
 
     @property
     def follows_token(self) -> bool:
         """D keeps asking P for its first token (transport/first_token.py) while this holds and the pull lives."""
         return self.early and self.order == "split" and self.first_token < 0 and not self.token_given_up
+
+
+class Staged(NamedTuple):
+    """A watched pull P has staged (`TransferSink.staged`): the transfer mode P named and why auto chose it."""
+
+    req_id: str
+    mode: str = ""
+    auto_reason: str = ""
 
 
 class DoneCourier:

@@ -1,4 +1,4 @@
-"""Side-channel wire protocol v2 (zmq ROUTER on P, DEALER on D): versioned msgpack messages via msgspec,
+"""Side-channel wire protocol v3 (zmq ROUTER on P, DEALER on D): versioned msgpack messages via msgspec,
 an HMAC handshake over the deployment key and a MAC on every frame of a session (docs/PROTOCOL.md 1 and 2).
 
 Every frame from the network is size-checked before decoding, decoded into a closed set of typed messages
@@ -9,7 +9,8 @@ Nothing is ever unpickled. One message per zmq frame (DEALER sends [payload]; RO
   D -> P  Auth(proof_d, compat, resume)        (sealed)    P -> D  HelloOk(agent md, pool, session_id) (sealed)
   D -> P  Query(transfer_id, token)            (sealed)    P -> D  Regions | NotReady | Error      (sealed)
                                     (Regions names how much of each region is ready: layer-wise publish,
-                                     and P's first token once sampled: concurrent flow)
+                                     P's first token once sampled: concurrent flow, and the transfer mode
+                                     P staged it under: v3, for auto in the concurrent flow)
   D -> P  Done(transfer_id, token)             (sealed)    P -> D  Ack | Error                    (sealed)
   D -> P  KeepAlive([(transfer_id, token)...]) (sealed)    P -> D  Alive(gone)                    (sealed)
 
@@ -36,7 +37,7 @@ __all__ = [
     "session_key", "seal", "Opener", "SEALED", "MAX_KEEPALIVE", "MAX_TOKEN_ID", "P_TO_D", "D_TO_P", "HEX_ID_LEN", "is_hex_id",
 ]
 
-VERSION = 2
+VERSION = 3  # v3: Regions names the transfer mode (auto in the concurrent flow, docs/PROTOCOL.md 6)
 MAX_ID = 512
 MAX_MD = 1 << 20
 HEX_ID_LEN = 32  # transfer ids and tokens: 16 random bytes, hex
@@ -44,6 +45,7 @@ MAX_TOKEN_ID = 1 << 31  # Regions.first_token is a token id below this
 U64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 I64 = Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)]
 HexId = Annotated[str, msgspec.Meta(min_length=HEX_ID_LEN, max_length=HEX_ID_LEN, pattern="^[0-9a-f]+$")]
+ModeName = Annotated[str, msgspec.Meta(max_length=32, pattern="^[a-z0-9_]*$")]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 Mac32 = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 Ver = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -124,6 +126,12 @@ class Regions(_Msg, tag="regions"):
     #: not known yet. A speculative D of the concurrent flow asks until it is known (docs/PROTOCOL.md section
     #: 6); D ignores a value outside ``[0, 2**31)``.
     first_token: I64 = -1
+    #: The transfer mode P staged the request under (``lynx_connector/modes.py``: the one it was asked for, or
+    #: the one its ``auto`` chose) and, for an auto choice, why (``lynx_connector.auto.AUTO_REASONS``). A D that
+    #: let P choose (auto in the concurrent flow, docs/PROTOCOL.md section 6) sizes its staging by it; "" = not
+    #: named (a P that stages without a mode: D then checks the sizes only).
+    mode: ModeName = ""
+    auto_reason: ModeName = ""
 
 
 class NotReady(_Msg, tag="not_ready"):
@@ -186,7 +194,7 @@ def decode(frame: bytes, max_bytes: int) -> Message:
 
 
 def _peek_version(frame: bytes) -> int | None:
-    """The ``v`` of a frame that is a msgpack map but not a valid v2 message (a v1 peer), else None."""
+    """The ``v`` of a frame that is a msgpack map but not a valid message of this version (an older or newer peer), else None."""
     try:
         obj = msgspec.msgpack.decode(frame)
     except Exception:

@@ -12,7 +12,7 @@ from lynx_connector.logger import init_logger
 from lynx_connector.trace import trace
 from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.events import ANCHOR, RESIDUAL
-from lynx_connector.transport.link import PeerLink, PullState
+from lynx_connector.transport.link import PeerLink, PullState, Staged
 from lynx_connector.transport.scheduler import StreamJob
 
 logger = init_logger(__name__)
@@ -34,7 +34,7 @@ class ReplyHandlers:
     _ev_lock: Any
     _ev_cond: Any
     _courier: Any
-    _staged: list[str]
+    _staged: list[Staged]
 
     def _on_plain(self, peer: PeerLink, msg: proto.Message) -> None:
         """Frames outside a session: P's Challenge, or its Error to a peer without a (valid) session."""
@@ -143,6 +143,8 @@ class ReplyHandlers:
                        f"({msg.code}): {msg.message}")
             return
         assert isinstance(msg, proto.Regions)
+        if pull.layouts is not None and not self._take_layout(pull, peer, msg):
+            return
         # No local residual view = this pull wants the anchor only (e.g. decoding on the anchor alone): the
         # remote residual is then not read, whatever its size; otherwise both sizes must match exactly.
         want_r = msg.residual_nbytes if pull.residual is None else pull.residual[1]
@@ -156,9 +158,10 @@ class ReplyHandlers:
                 return
         if pull.held:  # watched: P holds it now; D's staging comes with `attach`, P's lease renewed meanwhile
             pull.state, pull.generation = "staged", msg.generation
+            pull.mode, pull.auto_reason = msg.mode, msg.auto_reason
             pull.deadline = time.monotonic() + 2 * self.config.timeout_s  # the caller's own wait ends first
             with self._ev_cond:
-                self._staged.append(pull.req_id)
+                self._staged.append(Staged(pull.req_id, msg.mode, msg.auto_reason))
                 self._ev_cond.notify_all()
             return
         pull.state, pull.generation = "transferring", msg.generation
@@ -174,6 +177,20 @@ class ReplyHandlers:
             self._sched.submit(StreamJob(pull.req_id, RESIDUAL, peer.agent, pull.residual[0],
                                          peer.pool_addr + msg.residual_offset, pull.residual[1], pull.t0,
                                          ready=None if ready is None else ready[1], order=pull.order))
+
+    def _take_layout(self, pull: PullState, peer: PeerLink, msg: proto.Regions) -> bool:
+        """A watched pull that let P choose the mode (auto, concurrent flow): the sizes of the mode P names in its
+        first Regions become the pull's. False (the pull failed) when P names a mode the pull does not accept."""
+        assert pull.layouts is not None
+        sizes = pull.layouts.get(msg.mode)
+        if sizes is None:
+            self._fail(pull, f"peer {peer.name} staged {pull.req_id!r} as mode {msg.mode or '(none)'!r}, not one of "
+                       f"the modes this pull accepts ({', '.join(pull.layouts)})")
+            return False
+        pull.anchor, pull.residual = (0, sizes[0]), ((0, sizes[1]) if sizes[1] else None)
+        pull.pending = {ANCHOR} if pull.residual is None else {ANCHOR, RESIDUAL}
+        pull.layouts = None  # decided: later answers are checked against these sizes
+        return True
 
     @staticmethod
     def _ready(pull: PullState, msg: proto.Regions) -> tuple[int, int] | None:

@@ -2,7 +2,7 @@
 
 A single service thread owns the NIXL agent, the per-peer zmq DEALER sockets and the `TransferScheduler`;
 caller threads only enqueue commands (pull / release / abort) and read events. Per peer address the
-authenticated handshake (protocol v2: D and P prove the deployment key, then every frame carries a MAC and a
+authenticated handshake (protocol v3: D and P prove the deployment key, then every frame carries a MAC and a
 sequence number; P sends its agent metadata, pool descriptor and compat hash) is done once and the session
 cached; a pull names its request by P's transfer id and token (from kv_transfer_params); a failed READ drops the
 peer from the cache so the next pull re-handshakes. Every pulled stream yields exactly one `TransferEvent`
@@ -39,7 +39,7 @@ from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.events import ANCHOR, RESIDUAL, TransferEvent
 from lynx_connector.transport.first_token import FirstTokenFollower
-from lynx_connector.transport.link import Addr, DoneCourier, PeerLink, PullState
+from lynx_connector.transport.link import Addr, DoneCourier, PeerLink, PullState, Staged
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
 from lynx_connector.transport.pool import StagingPool
 from lynx_connector.transport.ranking import PULL_ORDERS, SPLIT, PullOrder
@@ -48,13 +48,14 @@ from lynx_connector.transport.scheduler import TransferScheduler
 from lynx_connector.transport.status import StatusWriter
 from lynx_connector.transport.timers import ControlTimers
 from lynx_connector.transport.wake import Waker, unpin_current_thread
+from lynx_connector.transport.watched import WatchedPulls
 
 logger = init_logger(__name__)
 
 __all__ = ["TransferSink"]
 
 
-class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower):
+class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPulls):
     """D-side endpoint; one per worker process. `pool` is D's registered staging (caller allocates in it)."""
 
     def __init__(
@@ -79,7 +80,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower):
         self._waker = Waker(self._ctx)
         self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._events: list[TransferEvent] = []
-        self._staged: list[str] = []  # watched pulls P has staged, not yet taken by `staged()`
+        self._staged: list[Staged] = []  # watched pulls P has staged, not yet taken by `staged()`
         self._sched_events: list[TransferEvent] = []  # service-thread only
         self._ev_lock = threading.Lock()
         self._ev_cond = threading.Condition(self._ev_lock)  # `wait` wakes on every event, staged or first token
@@ -130,34 +131,6 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower):
             raise ValueError("anchor_out is empty")
         self._enqueue(req_id, host, port, transfer_id, token, a, r, wait_s, order, held=False)
 
-    def watch(
-        self,
-        req_id: str,
-        host: str,
-        port: int,
-        transfer_id: str,
-        token: str,
-        anchor_nbytes: int,
-        residual_nbytes: int,
-        wait_s: float | None = None,
-        order: PullOrder = SPLIT,
-    ) -> None:
-        """Like `pull`, before D has staging for it: ask P until P has staged the request (answers its regions),
-        then report the request in `staged()` and hold it, P's lease renewed, until `attach` gives it D's
-        views (the transfer starts then). The concurrent flow uses it: D's staging is then held only by requests
-        P holds too, so a burst larger than both pools drains in order instead of filling both with requests
-        waiting on each other. Without `attach` within ``timeout_s`` of being staged the pull fails."""
-        if anchor_nbytes <= 0 or residual_nbytes < 0:
-            raise ValueError(f"bad plane sizes {anchor_nbytes!r}/{residual_nbytes!r}")
-        r = (0, int(residual_nbytes)) if residual_nbytes else None
-        self._enqueue(req_id, host, port, transfer_id, token, (0, int(anchor_nbytes)), r, wait_s, order, held=True)
-
-    def attach(self, req_id: str, anchor_out: torch.Tensor, residual_out: torch.Tensor | None) -> None:
-        """Give a watched request that P has staged (`staged()`) its views of `self.pool` and start its
-        transfer; their sizes must be those given to `watch`. A pull that failed meanwhile has already had its
-        failed events: attaching it does nothing (the caller frees its views as for any failed pull)."""
-        self._cmd(("attach", req_id, self._views(anchor_out, residual_out)))
-
     def _views(self, anchor_out: torch.Tensor, residual_out: torch.Tensor | None
                ) -> tuple[tuple[int, int], tuple[int, int] | None]:
         """(address, nbytes) of the anchor view and of the residual view (None when absent or empty)."""
@@ -167,14 +140,9 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower):
             r = (self.pool.base_addr + self.pool.offset_of(residual_out), int(residual_out.numel()))
         return a, r
 
-    def staged(self) -> list[str]:
-        """Watched requests P has staged since the last call (each reported once), in the order P staged them."""
-        with self._ev_lock:
-            out, self._staged = self._staged, []
-        return out
-
     def _enqueue(self, req_id: str, host: str, port: int, transfer_id: str, token: str, a: tuple[int, int],
-                 r: tuple[int, int] | None, wait_s: float | None, order: PullOrder, held: bool) -> None:
+                 r: tuple[int, int] | None, wait_s: float | None, order: PullOrder, held: bool,
+                 layouts: dict[str, tuple[int, int]] | None = None) -> None:
         if order not in PULL_ORDERS:
             raise ValueError(f"order must be one of {', '.join(PULL_ORDERS)}, got {order!r}")
         if not isinstance(req_id, str) or not 0 < len(req_id) <= proto.MAX_ID:
@@ -193,7 +161,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower):
         now = time.monotonic()
         self._cmd(("pull", PullState(req_id, (host, port), transfer_id, token, a, r, now,
                                      now + (self.config.timeout_s if wait_s is None else wait_s),
-                                     early=wait_s is not None, order=order, held=held)))
+                                     early=wait_s is not None, order=order, held=held, layouts=layouts)))
 
     def wait(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds until there is news for the caller (an event, a staged pull or a first
@@ -363,23 +331,6 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower):
             peer = self._connect(pull.addr)
         if peer.state == "ready":
             self._query(pull)
-
-    def _attach(self, req_id: str, a: tuple[int, int], r: tuple[int, int] | None) -> None:
-        pull = self._pulls.get(req_id)
-        if pull is None or not pull.held:
-            return  # failed (or aborted) meanwhile: its events are out
-        want = (pull.anchor[1], None if pull.residual is None else pull.residual[1])
-        if (a[1], None if r is None else r[1]) != want:
-            self._fail(pull, f"attach: views of {a[1]}/{0 if r is None else r[1]} bytes for {req_id!r}, watched "
-                       f"{want[0]}/{want[1] or 0}")
-            return
-        pull.anchor, pull.residual, pull.held = a, r, False
-        pull.deadline = time.monotonic() + self.config.timeout_s
-        peer = self._peers.get(pull.addr)
-        if peer is not None and peer.state == "ready":
-            self._query(pull)  # P's regions again (more may be ready now): the transfer starts on the answer
-        else:
-            pull.state = "wait_peer"  # queried once the (re)handshake is answered
 
     def _connect(self, addr: Addr) -> PeerLink:
         peer = PeerLink(self._ctx, self._poller, addr, self._max_in, self.config.key)

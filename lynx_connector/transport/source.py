@@ -1,6 +1,6 @@
 """P side: `TransferSource` owns the staging pool (registered with NIXL once), a NIXL agent and the zmq
 ROUTER side channel whose service thread runs the authenticated handshake, answers region queries and frees
-staging (protocol v2, docs/PROTOCOL.md sections 1 and 2).
+staging (protocol v3, docs/PROTOCOL.md sections 1 and 2).
 
 Lifecycle of a request's staging: (`expect`: D's queries get NotReady while P waits for room) -> `alloc` ->
 caller encodes into the views -> (`publish_partial` as layers are encoded: D reads the ready prefix while the
@@ -49,6 +49,7 @@ logger = init_logger(__name__)
 __all__ = ["TransferSource"]
 
 IDLE_POLL_MS = 500
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")  # of a mode name or auto reason (Regions)
 MAX_REJECTED = 4096  # rejections remembered (each for lease_s) so D hears why, not "unknown request"
 
 
@@ -64,6 +65,25 @@ class _Entry:
     ready: tuple[int, int] | None = None  # published in part (layer-wise): readable prefix bytes; None = all
     writing: bool = False  # staged and the caller is still encoding into it (until `publish`)
     first_token: int = -1  # the token P sampled after the prompt (`set_first_token`), -1 = not known yet
+    mode: str = ""  # the transfer mode it is staged under, and why auto chose it (named in Regions)
+    auto_reason: str = ""
+    #: Published in part and already being read when it became whole: (when, bytes that became readable then).
+    tail: tuple[float, int] | None = None
+
+
+def _link_span(entry: _Entry, done_at: float) -> tuple[float, float, int]:
+    """(start, end, bytes) of a transfer D has read, as P's link meter counts it (auto). From D's first Regions to
+    its Done; a transfer D read while P still published it (pipelined) may instead count only its last bytes,
+    from the moment they became readable: the whole span includes P's forward, when D waited for layers, and
+    would take a fast link for a slow one. Both are lower bounds of the rate: the larger one is kept."""
+    assert entry.staged is not None and entry.t_served is not None
+    total = entry.staged.anchor_nbytes + entry.staged.residual_nbytes
+    span = (entry.t_served, done_at, total)
+    if entry.tail is not None:
+        t_whole, tail = entry.tail
+        if entry.t_served < t_whole < done_at and tail * (done_at - entry.t_served) > total * (done_at - t_whole):
+            span = (t_whole, done_at, tail)
+    return span
 
 
 class TransferSource(SourceAnswers, SideChannelServer):
@@ -177,11 +197,16 @@ class TransferSource(SourceAnswers, SideChannelServer):
             return entry.transfer_id, entry.token
 
     def alloc(self, req_id: str, anchor_nbytes: int, residual_nbytes: int, *, transfer_id: str | None = None,
-              token: str | None = None) -> StagedRequest:
+              token: str | None = None, mode: str = "", auto_reason: str = "") -> StagedRequest:
         """Reserve staging for a request (raises `StagingFullError` when the pool is full); the request keeps the
-        credentials of `expect`, or gets ``transfer_id``/``token`` (minted when not given): see `ticket`."""
+        credentials of `expect`, or gets ``transfer_id``/``token`` (minted when not given): see `ticket`.
+        ``mode``/``auto_reason``: the transfer mode it is staged under and why auto chose it, named to D in every
+        Regions answer (D sizes an auto pull of the concurrent flow by it)."""
         self._check_id(req_id)
         self._mint(transfer_id or "0" * 32, token or "0" * 32)  # validate before allocating
+        for what, val in (("mode", mode), ("auto_reason", auto_reason)):
+            if not (isinstance(val, str) and len(val) <= 32 and all(c in _NAME_CHARS for c in val)):
+                raise ValueError(f"{what} must be at most 32 characters of [a-z0-9_], got {val!r}")
         with self._lock:
             entry = self._entries.get(req_id)
             if entry is not None and entry.staged is not None:
@@ -189,7 +214,8 @@ class TransferSource(SourceAnswers, SideChannelServer):
         staged = self.pool.alloc_request(req_id, anchor_nbytes, residual_nbytes)
         try:
             with self._lock:
-                self._entry_for(req_id, transfer_id, token, staged)
+                entry = self._entry_for(req_id, transfer_id, token, staged)
+                entry.mode, entry.auto_reason = mode, auto_reason
         except ValueError:
             self.pool.free_request(req_id)
             raise
@@ -226,6 +252,9 @@ class TransferSource(SourceAnswers, SideChannelServer):
                 entry = self._entries.get(req_id)
                 if entry is None or entry.staged is None:
                     raise KeyError(f"no staging for request {req_id!r}")
+                if entry.ready is not None and entry.t_served is not None:  # D reads it as P publishes
+                    st = entry.staged
+                    entry.tail = (time.monotonic(), st.anchor_nbytes + st.residual_nbytes - sum(entry.ready))
                 entry.published, entry.writing = True, False
                 entry.ready = None
                 entry.deadline = time.monotonic() + self.config.lease_s
@@ -346,8 +375,7 @@ class TransferSource(SourceAnswers, SideChannelServer):
             self._freed.append(req_id)
             self.counters[f"freed_{why}"] += 1
             if why == "done" and entry.staged is not None and entry.t_served is not None:
-                s = entry.staged
-                self._pulled.append((entry.t_served, time.monotonic(), s.anchor_nbytes + s.residual_nbytes))
+                self._pulled.append(_link_span(entry, time.monotonic()))
             if why == "done" and entry.staged is None:  # D gave up before P had room: P must not stage it later
                 self._abandoned[req_id] = None
                 if len(self._abandoned) > MAX_REJECTED:

@@ -205,7 +205,7 @@ def test_quick_run_with_auto_names_each_choice(tmp_path) -> None:
     for row in autos:
         assert row["errors"] == 0 and row["chosen_source"] == "p_log", row  # every request found in P's log
         assert sum(row["chosen"].values()) == row["n"] and set(row["chosen"]) <= set(auto_candidates())
-        assert row["flow_used"] == {"sequential": row["n"]}  # auto goes the sequential way behind either proxy
+        assert row["flow_used"] == {row["flow"]: row["n"]}  # auto is pipelined behind the pipelined proxy too
         reqs = [q for q in result["requests"] if q["mode"] == "auto" and q["rate_label"] == row["rate_label"]
                 and q["concurrency"] == row["concurrency"] and q["flow"] == row["flow"]]
         wire = [e2e.wire_bytes(q["auto_mode"], q["prompt_tokens"], shape)[1] for q in reqs]

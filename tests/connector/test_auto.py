@@ -204,29 +204,94 @@ def test_d_reports_the_choice_in_the_final_output():
         RemotePrefill.from_params({**params, "lynx_auto": "because"})
 
 
-def test_auto_in_the_concurrent_flow_is_refused_with_a_clear_error():
-    """The concurrent flow (issue 15) tells D the mode before P prefills, so P cannot choose one then."""
+def test_p_chooses_in_the_concurrent_flow_and_stages_under_the_proxy_ticket():
+    """Concurrent flow (issue 15) with auto: P chooses as it schedules the request and stages it under the ticket
+    the proxy minted, naming its choice and reason to the worker (which names them to D in Regions, protocol v3)."""
+    from lynx_connector.concurrent import mint, prefill_params
+
     s, mgr = make_p(link_gbps=0.5)
-    r = p_req("c1", 256, {"do_remote_decode": True, "lynx_mode": "auto", "lynx_flow": "concurrent"})
-    s.update_state_after_alloc(r, FakeBlocks([0]), 0)
-    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    hold, params = s.request_finished(r, [])
-    assert hold is False and "sequential flow" in params["lynx_error"]["message"]
-    assert params["lynx_error"]["code"] == 400 and not s.stats.data["auto"]
+    s.speculation_enabled = True
+    tid, token = mint()
+    signed = ParamsSigner(load_side_channel_key(), 60).sign(prefill_params(tid, token, "auto"))
+    r = p_req("c1", 1024, signed)
+    mgr.blocks["c1"] = list(range(-(-1024 // BS)))
+    s.update_state_after_alloc(r, FakeBlocks(mgr.blocks["c1"]), 0)
+    save = s.build_connector_meta(sched_out(c1=1024)).reqs_to_save[0]
+    assert (save.mode, save.auto_reason, save.transfer_id, save.token) == ("speculative", "slow_link", tid, token)
+    assert [tuple(x) for x in s.stats.data["auto"]] == [("speculative", "slow_link")]
+    # unsigned concurrent params (a client naming its own transfer id) are still refused
+    r2 = p_req("c2", 64, {**prefill_params(*mint(), "auto")})
+    s.update_state_after_alloc(r2, FakeBlocks([0]), 0)
+    r2.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert s.request_finished(r2, [])[1]["lynx_error"]["code"] == 400
 
 
-def test_lynx_proxy_sends_auto_requests_the_sequential_way():
-    """The pipelined flow tells D the mode before P prefills; auto (the client's, or P's own mode, which the proxy
-    learns from P's signed lynx_auto) goes the sequential way, so P's answer tells D what P chose."""
+def d_auto_req(req_id="d-1", n=64, structured=False):
+    from lynx_connector.concurrent import PrefillEndpoint, decode_params, mint
+
+    params = ParamsSigner(load_side_channel_key(), 60).sign(decode_params(
+        PrefillEndpoint("engine-p", "10.1.2.3", (5555,), "float32"), "p-1", *mint(), "auto"))
+    return SimpleNamespace(request_id=req_id, num_prompt_tokens=n, num_computed_tokens=0, kv_transfer_params=params,
+                           status=RequestStatus.RUNNING, output_token_ids=[], num_output_tokens=0,
+                           use_structured_output=structured, prompt_token_ids=list(range(n)),
+                           block_hashes=[bytes([i]) * 32 for i in range(n // BS)])
+
+
+@pytest.mark.parametrize("p_choice, reason, pending", [("bf16", "fast_link", False),
+                                                        ("speculative", "slow_link", True),
+                                                        ("full", "slow_link_no_speculation", True)])
+def test_d_lets_p_choose_in_the_concurrent_flow(p_choice, reason, pending):
+    """D of the concurrent flow with auto: the request pulls provisionally as the Lynx mode D serves (speculative
+    here), fenced from the prefix cache; once its worker reports the mode P named, a passthrough choice is no
+    longer pending a residual, a Lynx one stays speculative (D's pick), and the final output names the choice."""
+    s, mgr = make_p()
+    s.speculation_enabled = True
+    r = d_auto_req()
+    assert s.get_num_new_matched_tokens(r, 0) == (64, True)
+    s.update_state_after_alloc(r, FakeBlocks([0, 1]), 64)
+    spec = s.build_connector_meta(sched_out()).reqs_to_recv[0]
+    assert (spec.mode, spec.auto, spec.concurrent) == ("speculative", True, True)
+    assert "d-1" in s.spec_pending and r.block_hashes[0] != bytes(32)  # fenced: speculative until P names
+    served = "speculative" if get_mode(p_choice).two_stream else p_choice
+    s.update_connector_output(SimpleNamespace(finished_recving=(), failed_recving=(), kv_connector_worker_meta=
+                                              LynxWorkerMeta(auto_modes={"d-1": (served, reason)})))
+    assert ("d-1" in s.spec_pending) is pending
+    s.update_connector_output(SimpleNamespace(finished_recving={"d-1"}, failed_recving=(), kv_connector_worker_meta=
+                                              LynxWorkerMeta(residual_merged={"d-1"})))
+    r.status = RequestStatus.FINISHED_STOPPED
+    assert s.request_finished(r, [0, 1]) == (False, {"lynx_auto": {"mode": served, "reason": reason}})
+
+
+def test_d_without_speculation_serves_a_lynx_choice_as_full():
+    s, _ = make_p()  # no speculative scheduler on this D
+    for req_id, structured in (("d-1", False), ("d-2", True)):
+        r = d_auto_req(req_id, structured=structured)
+        s.speculation_enabled = structured  # structured output: never speculative either
+        s.get_num_new_matched_tokens(r, 0)
+        s.update_state_after_alloc(r, FakeBlocks([0, 1]), 64)
+        spec = s.build_connector_meta(sched_out()).reqs_to_recv[0]
+        assert (spec.mode, spec.auto) == ("full", True) and req_id not in s.spec_pending
+    with pytest.raises(Exception, match="or auto, in the concurrent flow"):
+        RemotePrefill.from_params({**d_auto_req().kv_transfer_params, "lynx_mode": "int5"})
+    sequential = {k: v for k, v in d_auto_req().kv_transfer_params.items() if k != "lynx_flow"}
+    with pytest.raises(Exception, match="lynx_mode 'auto' is not one of"):  # sequential params: P's choice only
+        RemotePrefill.from_params({**sequential, "remote_num_tokens": 64})
+
+
+def test_lynx_proxy_pipelines_auto_requests():
+    """The pipelined flow tells D "auto" and lets P name its choice on the side channel (protocol v3): auto (the
+    client's, or P's own mode, which the proxy learns from P's signed lynx_auto) is pipelined like a named mode."""
     from lynx_connector.proxy_flow import FlowBook
 
     p_params = RemotePrefill(transfer_id="a" * 32, token="b" * 32, engine_id="e", request_id="r", host="h",
                              ports=(5600,), num_tokens=16, mode="speculative", auto_reason="slow_link").to_params()
     book = FlowBook(signer=object())
+    assert book.plan("p", {}) is None  # nothing learned about this P yet: sequential
     book.learn("p", {}, p_params)  # a request without lynx_mode: P's own mode chose speculative
     assert book.default_mode["p"] == "auto"
-    assert book.plan("p", {}) is None  # P's default is auto: sequential
-    assert book.plan("p", {"kv_transfer_params": {"lynx_mode": "auto"}}) is None
-    assert book.plan("p", {"kv_transfer_params": {"lynx_mode": "full"}})[1] == "full"  # a named mode: pipelined
+    assert book.plan("p", {})[1] == "auto"  # P's default is auto: pipelined as auto
+    assert book.plan("p", {"kv_transfer_params": {"lynx_mode": "auto"}})[1] == "auto"
+    assert book.plan("p", {"kv_transfer_params": {"lynx_mode": "full"}})[1] == "full"
     book.learn("p", {}, {**p_params, "lynx_auto": None})
     assert book.plan("p", {})[1] == "speculative"
+    assert FlowBook(signer=None).plan("p", {}) is None  # no deployment key: sequential only

@@ -679,6 +679,63 @@ def test_concurrent_speculative_pull_reports_p_first_token_in_worker_meta(pair):
     assert_staging_freed(p, d)
 
 
+@pytest.mark.parametrize("p_choice", ["bf16", "speculative"])
+def test_concurrent_auto_pull_is_sized_and_served_by_the_mode_p_names(pair, p_choice):
+    """Auto in the concurrent flow (protocol v3): D pulls without knowing the mode, provisionally as the Lynx mode
+    it would serve (speculative); P's Regions name its choice, which sizes D's staging and decides how D writes:
+    the passthrough once, bit for bit; a Lynx choice as D's speculative pull. D reports the mode served once."""
+    make, _ = pair
+    (p, p_caches), (d, d_caches) = make("kv_producer"), make("kv_consumer")
+    tid, token = mint_ticket()
+    spec = dataclasses.replace(recv_spec(p, "speculative", remote="p-new"), transfer_id=tid, token=token,
+                               concurrent=True, auto=True)
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[spec]))
+    d.poll()
+    reason = "fast_link" if p_choice == "bf16" else "slow_link"
+    p.save(LynxConnectorMetadata(reqs_to_save=[SaveSpec(req_id="p1", block_ids=P_BLOCKS, num_tokens=N,
+                                                        mode=p_choice, transfer_id=tid, token=token,
+                                                        auto_reason=reason)]))
+    auto: dict[str, tuple[str, str]] = {}
+    merged: set[str] = set()
+    done: set[str] = set()
+
+    def finished() -> bool:
+        meta = d.take_worker_meta()
+        if meta is not None:
+            assert not auto or not meta.auto_modes, "reported once"
+            auto.update(meta.auto_modes)
+            merged.update(meta.residual_merged)
+        done.update(d.take_results()[0])
+        return "d1" in done and (p_choice == "bf16" or "d1" in merged)
+
+    poll_until([p, d], finished)
+    assert auto == {"d1": (p_choice, reason)}
+    want = expected(p_caches, p_choice, full=p_choice != "bf16")
+    assert all(torch.equal(d_caches[n], want[n]) for n in d_caches)
+    if p_choice == "bf16":  # the passthrough: P's full blocks, bit for bit
+        assert all(torch.equal(d_caches[n][D_BLOCKS[:2]], p_caches[n][P_BLOCKS[:2]]) for n in d_caches)
+    assert_staging_freed(p, d)
+
+
+def test_concurrent_auto_pull_fails_when_p_names_a_mode_d_does_not_allow(pair):
+    """P staged it under a mode D's allowed_modes do not let auto pick (here int8): that request's load fails
+    with the mode named, nothing is written, and both sides free their staging."""
+    make, _ = pair
+    (p, _), (d, d_caches) = make("kv_producer", allowed_modes="all"), make("kv_consumer")
+    tid, token = mint_ticket()
+    spec = dataclasses.replace(recv_spec(p, "full", remote="p-new"), transfer_id=tid, token=token,
+                               concurrent=True, auto=True)
+    errors = load_errors(d)
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[spec]))
+    p.save(LynxConnectorMetadata(reqs_to_save=[SaveSpec(req_id="p1", block_ids=P_BLOCKS, num_tokens=N,
+                                                        mode="int8", transfer_id=tid, token=token)]))
+    failed: set[str] = set()
+    poll_until([p, d], lambda: failed.update(d.take_results()[1]) or "d1" in failed)
+    assert "as mode 'int8', not one of the modes this pull accepts" in errors["d1"]
+    assert all(not c.any() for c in d_caches.values())
+    assert_staging_freed(p, d)
+
+
 def test_an_empty_step_waits_for_a_pull_to_land_only_while_one_is_in_flight(pair):
     """``idle_wait_s``: on a step with nothing to compute (``meta.idle``) D's worker blocks in the sink's wait while
     a pull is in flight, never when nothing is in flight, when the step computes, or when it starts pulls; and the

@@ -113,6 +113,36 @@ def test_pipelined_speculative_releases_p_first_token_on_the_anchor(slow_link):
     assert summary["first_token_early"] == 1 and summary["first_token_mismatch"] == 0, summary
     assert delta["lynx_early"] == 1, delta  # what `lynx bench e2e` reports as first_token_on_anchor
     assert _endpoint_counters(dep.status_dir)["first_tokens"] >= 1
+    # Auto (issue 16.3, protocol v3), pipelined too: P has measured this slow link from D's reads of the requests
+    # above, chooses speculative as it prefills and names it on the side channel; D serves it so, the output
+    # equals full's, and the final params name the choice.
+    flows = _stats(dep.url)["flows"]["pipelined"]
+    auto = complete(dep.url, dep.model, prompt, "auto", max_tokens=24)
+    assert auto["ok"], auto.get("error")
+    assert auto["out"]["choices"][0]["text"] == ref["out"]["choices"][0]["text"]
+    assert auto["out"]["kv_transfer_params"]["lynx_auto"] == {"mode": "speculative", "reason": "slow_link"}
+    assert _stats(dep.url)["flows"]["pipelined"] == flows + 1
+    assert_idle(dep)
+
+
+def test_auto_is_pipelined_and_p_names_its_choice(dep):
+    """Auto behind the pipelined proxy (issue 16.3): D is told ``auto``, P chooses as it prefills (here the
+    passthrough: this unpaced local link is fast) and names its choice in its side-channel Regions; D sizes the
+    pull by it and serves it as that mode. The text equals the sequential flow's, D's final params name the
+    choice, the proxy counts the request as pipelined, and nothing is left behind."""
+    prompt = _prompt(40, seed=5)
+    warm = complete(dep.url, dep.model, _prompt(4, seed=6), "full", max_tokens=2)  # the proxy learns P
+    assert warm["ok"], warm
+    seq = complete(dep.seq_url, dep.model, prompt, "bf16", max_tokens=24)
+    before = _stats(dep.url)["flows"]["pipelined"]
+    outs = [complete(dep.url, dep.model, prompt, "auto", max_tokens=24) for _ in range(2)]
+    assert seq["ok"] and all(o["ok"] for o in outs), (seq.get("error"), [o.get("error") for o in outs])
+    for out in outs:
+        assert out["out"]["choices"][0]["text"] == seq["out"]["choices"][0]["text"]
+        chose = out["out"]["kv_transfer_params"]["lynx_auto"]
+        assert chose["mode"] == "bf16" and chose["reason"] in ("no_link_rate", "fast_link"), chose
+    assert _stats(dep.url)["flows"]["pipelined"] - before == len(outs)
+    assert _endpoint_counters(dep.status_dir)["early_pulls"] >= len(outs)
     assert_idle(dep)
 
 

@@ -97,11 +97,11 @@ def test_malformed_and_incompatible_handshakes_rejected(source, sink: TransferSi
     try:
         raw.send(b"\x93\x01\x02\x03")
         assert proto.decode(raw.recv(), 1 << 20).code == "refused"
-        raw.send(proto.encode(proto.Hello(v=2, nonce_d=b"n" * 16, compat_hash="0" * 64)))
+        raw.send(proto.encode(proto.Hello(v=proto.VERSION, nonce_d=b"n" * 16, compat_hash="0" * 64)))
         ch = proto.decode(raw.recv(), 1 << 20)  # a Challenge: nothing about P but its proof
         assert isinstance(ch, proto.Challenge)
         skey = proto.session_key(TEST_KEY, b"n" * 16, ch.nonce_p)
-        auth = proto.Auth(v=2, proof_d=proto.proof_d(TEST_KEY, b"n" * 16, ch.nonce_p),
+        auth = proto.Auth(v=proto.VERSION, proof_d=proto.proof_d(TEST_KEY, b"n" * 16, ch.nonce_p),
                           compat={**COMPAT, "head_size": 128, "dtype": "fp8"})
         raw.send(proto.seal(skey, proto.D_TO_P, 1, proto.encode(auth)))
         err = proto.decode(raw.recv(), 1 << 20)

@@ -122,6 +122,37 @@ def test_p_that_stops_publishing_fails_the_pull_and_frees_both_sides(pair) -> No
     assert sink.stats()["pulls_live"] == 0
 
 
+def test_link_meter_span_of_a_pipelined_read_leaves_out_p_forward(pair) -> None:
+    """P's link meter (auto) must not take the time D waited for P's layers for link time: a transfer D read while
+    P published it counts from when it became whole, with the bytes that became readable then; a transfer
+    published whole before D read it counts from D's first Regions with all its bytes."""
+    src, sink = pair
+    st = src.alloc("p", A, R)
+    want_a = torch.randint(0, 256, (A,), dtype=torch.uint8)
+    want_r = torch.randint(0, 256, (R,), dtype=torch.uint8)
+    loc = sink.pool.alloc_request("d", A, R)
+    _publish_layers(src, st, want_a, want_r, range(LAYERS - 1))
+    sink.pull("d", *src.address, *src.ticket("p"), loc.anchor, loc.residual)
+    wait_for(lambda: sink.stats()["bytes_done"] >= _layer(A, LAYERS - 2).stop + _layer(R, LAYERS - 2).stop)
+    time.sleep(0.5)  # P's forward of the last layer: D has read everything readable and waits
+    t_whole = time.monotonic()
+    _publish_layers(src, st, want_a, want_r, [LAYERS - 1])
+    assert all(e.ok for e in collect(sink, 2))
+    wait_for(lambda: src.stats()["requests_live"] == 0)
+    ((start, end, nbytes),) = src.take_pulled()
+    last = len(range(A)[_layer(A, LAYERS - 1)]) + len(range(R)[_layer(R, LAYERS - 1)])
+    assert t_whole <= start < end and nbytes == last
+    sink.pool.free_request("d")
+    st = src.alloc("q", A, R)
+    src.publish("q")
+    loc = sink.pool.alloc_request("e", A, R)
+    sink.pull("e", *src.address, *src.ticket("q"), loc.anchor, loc.residual)
+    assert all(e.ok for e in collect(sink, 2))
+    wait_for(lambda: src.stats()["requests_live"] == 0)
+    assert [n for _, _, n in src.take_pulled()] == [A + R]
+    sink.pool.free_request("e")
+
+
 def test_partial_publish_is_bounded_by_the_regions(pair) -> None:
     src, _ = pair
     src.alloc("p", A, R)
@@ -145,8 +176,8 @@ def test_watched_pull_takes_d_staging_only_once_p_has_staged_it(pair) -> None:
     st.anchor[_layer(A, 0)] = want_a[_layer(A, 0)]
     st.residual[_layer(R, 0)] = want_r[_layer(R, 0)]
     src.publish_partial("p", _layer(A, 0).stop, _layer(R, 0).stop)
-    wait_for(lambda: "d" in sink._staged)
-    assert sink.staged() == ["d"] and sink.staged() == []  # reported once
+    wait_for(lambda: "d" in {s.req_id for s in sink._staged})
+    assert [s.req_id for s in sink.staged()] == ["d"] and sink.staged() == []  # reported once
     time.sleep(0.1)
     assert sink.post_log == [] and sink.poll() == []  # no staging of D's: nothing read yet
     loc = sink.pool.alloc_request("d", A, R)
@@ -170,7 +201,7 @@ def test_staged_pull_keeps_p_lease_until_attached(fabric: FakeFabric) -> None:
         st.anchor.fill_(7)
         src.publish("p")
         sink.watch("d", *src.address, *src.ticket("p"), A, 0)
-        wait_for(lambda: "d" in sink._staged)
+        wait_for(lambda: "d" in {s.req_id for s in sink._staged})
         time.sleep(1.5)  # 2.5 leases: without KeepAlives P would have freed it
         assert src.stats()["requests_live"] == 1
         loc = sink.pool.alloc_request("d", A, 0)
@@ -191,7 +222,7 @@ def test_staged_pull_never_attached_fails_and_frees_p(pair) -> None:
     sink.watch("d", *src.address, *src.ticket("p"), A, R)
     evs = collect(sink, 2, timeout=6.0)
     assert not any(e.ok for e in evs) and "never given D's staging" in evs[0].error
-    assert sink.staged() == ["d"]
+    assert [s.req_id for s in sink.staged()] == ["d"]
     wait_for(lambda: src.stats()["requests_live"] == 0)
     assert sink.stats()["pulls_live"] == 0 and sink.pool.regions_live == 0
 
@@ -201,7 +232,7 @@ def _watch_until_staged(src, sink) -> None:
     src.alloc("p", A, R)
     src.publish("p")
     sink.watch("d", *src.address, *src.ticket("p"), A, R)
-    wait_for(lambda: "d" in sink._staged)
+    wait_for(lambda: "d" in {s.req_id for s in sink._staged})
 
 
 def test_attach_with_other_sizes_fails_the_pull(pair) -> None:
@@ -221,6 +252,54 @@ def test_aborting_a_staged_pull_frees_p(pair) -> None:
     sink.abort("d")
     wait_for(lambda: src.stats()["requests_live"] == 0)
     assert sink.poll() == [] and sink.stats()["pulls_live"] == 0
+
+
+@pytest.mark.parametrize("p_mode, sizes", [("bf16", (A, 0)), ("speculative", (A // 4, R))])
+def test_watched_pull_takes_the_sizes_of_the_mode_p_names(pair, p_mode, sizes) -> None:
+    """Auto in the concurrent flow: D watches without knowing the mode; P's Regions name the mode auto chose (and
+    why), which picks D's sizes from its layouts; the transfer then reads exactly that mode's planes."""
+    src, sink = pair
+    layouts = {"bf16": (A, 0), "full": (A // 4, R), "speculative": (A // 4, R)}
+    st = src.alloc("p", *sizes, mode=p_mode, auto_reason="slow_link")
+    want_a = torch.randint(0, 256, (sizes[0],), dtype=torch.uint8)
+    want_r = torch.randint(0, 256, (sizes[1],), dtype=torch.uint8)
+    st.anchor.copy_(want_a)
+    if sizes[1]:
+        st.residual.copy_(want_r)
+    src.publish("p")
+    sink.watch("d", *src.address, *src.ticket("p"), 1, 0, layouts=layouts)
+    wait_for(lambda: bool(sink._staged))
+    assert sink.staged() == [("d", p_mode, "slow_link")]
+    loc = sink.pool.alloc_request("d", *sizes)
+    sink.attach("d", loc.anchor, loc.residual if sizes[1] else None, order="whole")
+    evs = collect(sink, 2 if sizes[1] else 1)
+    assert all(e.ok for e in evs), evs
+    assert torch.equal(loc.anchor, want_a) and (not sizes[1] or torch.equal(loc.residual, want_r))
+    wait_for(lambda: src.stats()["requests_live"] == 0)
+    sink.pool.free_request("d")
+    assert sink.stats()["pulls_live"] == 0
+
+
+def test_watched_pull_fails_when_p_names_a_mode_it_does_not_accept(pair) -> None:
+    """P staged it under a mode D did not offer (e.g. a lossy one D's allowed_modes refuse): the pull fails with
+    the mode named, nothing is read, and P's staging is freed."""
+    src, sink = pair
+    src.alloc("p", A, 0, mode="int4")
+    src.publish("p")
+    sink.watch("d", *src.address, *src.ticket("p"), 1, 0, layouts={"bf16": (A, 0), "full": (A // 4, R)})
+    evs = collect(sink, 1)
+    assert not evs[0].ok and "as mode 'int4', not one of the modes this pull accepts (bf16, full)" in evs[0].error
+    assert sink.staged() == [] and sink.post_log == []
+    wait_for(lambda: src.stats()["requests_live"] == 0)
+    assert sink.stats()["pulls_live"] == 0 and sink.pool.regions_live == 0
+
+
+def test_a_source_refuses_a_mode_name_that_regions_could_not_carry(pair) -> None:
+    src, _ = pair
+    for bad in ("Full", "x" * 33, "a b"):
+        with pytest.raises(ValueError, match="at most 32 characters"):
+            src.alloc("p", A, 0, mode=bad)
+    assert src.stats()["requests_live"] == 0
 
 
 def test_concurrent_flow_fails_after_timeout_s_when_p_answers_nothing(fabric: FakeFabric) -> None:

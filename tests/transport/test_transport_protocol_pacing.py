@@ -15,21 +15,23 @@ TID, TOK = "a" * 32, "b" * 32
 
 def test_roundtrip_every_message() -> None:
     msgs = [
-        proto.Hello(v=2, nonce_d=b"n" * 16, compat_hash="0" * 64),
-        proto.Challenge(v=2, nonce_p=b"p" * 16, proof_p=b"x" * 32),
-        proto.Auth(v=2, proof_d=b"y" * 32, compat={"model": "m", "layers": 30, "codec_version": 1.5, "fp": True,
+        proto.Hello(v=proto.VERSION, nonce_d=b"n" * 16, compat_hash="0" * 64),
+        proto.Challenge(v=proto.VERSION, nonce_p=b"p" * 16, proof_p=b"x" * 32),
+        proto.Auth(v=proto.VERSION, proof_d=b"y" * 32, compat={"model": "m", "layers": 30, "codec_version": 1.5, "fp": True,
                                                    "x": None}, resume=b"s" * 16),
-        proto.HelloOk(v=2, agent_name="a", agent_md=b"\x00md", pool_addr=1, pool_nbytes=2, compat_hash="0" * 64,
+        proto.HelloOk(v=proto.VERSION, agent_name="a", agent_md=b"\x00md", pool_addr=1, pool_nbytes=2, compat_hash="0" * 64,
                       session_id=b"s" * 16, lease_s=60.0),
-        proto.Query(v=2, transfer_id=TID, token=TOK),
-        proto.Regions(v=2, transfer_id=TID, anchor_offset=0, anchor_nbytes=4, residual_offset=-1, residual_nbytes=0,
+        proto.Query(v=proto.VERSION, transfer_id=TID, token=TOK),
+        proto.Regions(v=proto.VERSION, transfer_id=TID, anchor_offset=0, anchor_nbytes=4, residual_offset=-1, residual_nbytes=0,
                       generation=7),
-        proto.NotReady(v=2, transfer_id=TID),
-        proto.Done(v=2, transfer_id=TID, token=TOK),
-        proto.KeepAlive(v=2, tickets=[(TID, TOK)]),
-        proto.Alive(v=2, gone=[TID]),
-        proto.Ack(v=2, transfer_id=TID),
-        proto.Error(v=2, code="c", message="m"),
+        proto.Regions(v=proto.VERSION, transfer_id=TID, anchor_offset=0, anchor_nbytes=4, residual_offset=8,
+                      residual_nbytes=4, generation=7, mode="speculative", auto_reason="slow_link_no_speculation"),
+        proto.NotReady(v=proto.VERSION, transfer_id=TID),
+        proto.Done(v=proto.VERSION, transfer_id=TID, token=TOK),
+        proto.KeepAlive(v=proto.VERSION, tickets=[(TID, TOK)]),
+        proto.Alive(v=proto.VERSION, gone=[TID]),
+        proto.Ack(v=proto.VERSION, transfer_id=TID),
+        proto.Error(v=proto.VERSION, code="c", message="m"),
     ]
     for m in msgs:
         assert proto.decode(proto.encode(m), 1 << 20) == m
@@ -42,9 +44,10 @@ def test_roundtrip_every_message() -> None:
         (b"\x81\xa4type\xa5query", "malformed"),  # missing fields
         (proto.encode(proto.Query(v=7, transfer_id=TID, token=TOK)), "version"),
         (b"\x83\xa4type\xa5hello\xa1v\x01\xa6compat\x80", "version 1"),  # a v1 Hello
-        (b"\x84\xa4type\xa5query\xa1v\x02\xabtransfer_id\x05\xa5token\x05", "malformed"),  # wrong type
-        (b"\x83\xa4type\xa4evil\xa1v\x02\xa6req_id\xa1r", "malformed"),  # unknown tag
-        (proto.encode(proto.Query(v=2, transfer_id=TID, token=TOK))[:-1] + b"\x01", "malformed"),
+        (b"\x84\xa4type\xa5query\xa1v\x03\xabtransfer_id\x05\xa5token\x05", "malformed"),  # wrong type
+        (b"\x83\xa4type\xa4evil\xa1v\x03\xa6req_id\xa1r", "malformed"),  # unknown tag
+        (b"\x84\xa4type\xa5query\xa1v\x02\xabtransfer_id\xa1a\xa5token\xa1b", "version 2"),  # a v2 peer
+        (proto.encode(proto.Query(v=proto.VERSION, transfer_id=TID, token=TOK))[:-1] + b"\x01", "malformed"),
         (b"x" * 2000, "exceeds"),
     ],
 )
@@ -53,13 +56,24 @@ def test_decode_rejects(frame: bytes, needle: str) -> None:
         proto.decode(frame, 1000)
 
 
+def test_regions_mode_names_are_bounded() -> None:
+    """v3: the mode P names in Regions is a short [a-z0-9_] name; anything else is a malformed frame."""
+    ok = proto.Regions(v=proto.VERSION, transfer_id=TID, anchor_offset=0, anchor_nbytes=4, residual_offset=-1,
+                       residual_nbytes=0, generation=1, mode="bf16")
+    assert proto.decode(proto.encode(ok), 1000).mode == "bf16"
+    for bad in ("BF16", "bf-16", "x" * 33):
+        frame = proto.encode(ok).replace(b"\xa4bf16", proto.msgspec.msgpack.encode(bad))
+        with pytest.raises(proto.ProtocolError, match="malformed"):
+            proto.decode(frame, 1000)
+
+
 def test_decode_range_checks() -> None:
-    bad = proto.encode(proto.Regions(v=2, transfer_id=TID, anchor_offset=0, anchor_nbytes=4,
+    bad = proto.encode(proto.Regions(v=proto.VERSION, transfer_id=TID, anchor_offset=0, anchor_nbytes=4,
                                      residual_offset=-1, residual_nbytes=0, generation=1)).replace(b"\xff", b"\xfe")
     with pytest.raises(proto.ProtocolError):  # residual_offset -2 is out of range
         proto.decode(bad, 1000)
     for tid in ("A" * 32, "a" * 31, "g" * 32, "a" * 33):  # transfer ids and tokens: 32 lower-case hex
-        frame = proto.encode(proto.Query(v=2, transfer_id=TID, token=TOK)).replace(TID.encode(), tid.encode())
+        frame = proto.encode(proto.Query(v=proto.VERSION, transfer_id=TID, token=TOK)).replace(TID.encode(), tid.encode())
         with pytest.raises(proto.ProtocolError):
             proto.decode(frame, 10_000)
 

@@ -68,11 +68,11 @@ class Raw:
         return proto.decode(self.ask(frame), 1 << 21)
 
     def handshake(self, key: bytes) -> proto.Message:
-        ch = self.plain(proto.encode(proto.Hello(v=2, nonce_d=b"N" * 16, compat_hash="0" * 64)))
+        ch = self.plain(proto.encode(proto.Hello(v=proto.VERSION, nonce_d=b"N" * 16, compat_hash="0" * 64)))
         assert isinstance(ch, proto.Challenge)
         self.skey = proto.session_key(key, b"N" * 16, ch.nonce_p)
         self.opener = proto.Opener(self.skey, proto.P_TO_D)
-        auth = proto.Auth(v=2, proof_d=proto.proof_d(key, b"N" * 16, ch.nonce_p), compat=COMPAT)
+        auth = proto.Auth(v=proto.VERSION, proof_d=proto.proof_d(key, b"N" * 16, ch.nonce_p), compat=COMPAT)
         return self.sealed(auth)
 
     def seal(self, msg: proto.Message) -> bytes:
@@ -102,12 +102,12 @@ def test_outsider_without_the_key_gets_only_refused_and_no_metadata(src: Transfe
     tid, token = src.ticket("p1")
     raw = Raw(src.address)
     try:
-        for frame in (proto.encode(proto.Query(v=2, transfer_id=tid, token=token)),
-                      proto.encode(proto.Done(v=2, transfer_id=tid, token=token))):
+        for frame in (proto.encode(proto.Query(v=proto.VERSION, transfer_id=tid, token=token)),
+                      proto.encode(proto.Done(v=proto.VERSION, transfer_id=tid, token=token))):
             assert refused(raw.plain(frame))
         reply = raw.handshake(OTHER_KEY)  # a guessed key: the Challenge reveals nothing, the Auth is refused
         assert refused(reply)
-        for reply_bytes in (raw.ask(raw.seal(proto.Query(v=2, transfer_id=tid, token=token))),):
+        for reply_bytes in (raw.ask(raw.seal(proto.Query(v=proto.VERSION, transfer_id=tid, token=token))),):
             assert refused(proto.decode(reply_bytes, 1 << 20))  # no session: still only "refused"
     finally:
         raw.close()
@@ -136,11 +136,11 @@ def test_stranger_knowing_the_id_but_not_the_token(src: TransferSource, sinks) -
     raw = Raw(src.address)
     try:
         assert isinstance(raw.handshake(TEST_KEY), proto.HelloOk)  # even an authenticated peer
-        wrong = raw.sealed(proto.Query(v=2, transfer_id=tid, token="0" * 32))
-        missing = raw.sealed(proto.Query(v=2, transfer_id="f" * 32, token="0" * 32))
+        wrong = raw.sealed(proto.Query(v=proto.VERSION, transfer_id=tid, token="0" * 32))
+        missing = raw.sealed(proto.Query(v=proto.VERSION, transfer_id="f" * 32, token="0" * 32))
         assert isinstance(wrong, proto.Error) and wrong.code == "unknown_request"
         assert (wrong.code, wrong.message) == (missing.code, missing.message)  # the same answer
-        done = raw.sealed(proto.Done(v=2, transfer_id=tid, token="0" * 32))
+        done = raw.sealed(proto.Done(v=proto.VERSION, transfer_id=tid, token="0" * 32))
         assert isinstance(done, proto.Error) and done.code == "unknown_request"
     finally:
         raw.close()
@@ -174,7 +174,7 @@ def test_second_session_cannot_steal_an_owned_transfer(src: TransferSource, sink
     thief = Raw(src.address)
     try:
         assert isinstance(thief.handshake(TEST_KEY), proto.HelloOk)
-        for msg in (proto.Query(v=2, transfer_id=tid, token=token), proto.Done(v=2, transfer_id=tid, token=token)):
+        for msg in (proto.Query(v=proto.VERSION, transfer_id=tid, token=token), proto.Done(v=proto.VERSION, transfer_id=tid, token=token)):
             reply = thief.sealed(msg)
             assert isinstance(reply, proto.Error) and reply.code == "unknown_request"
     finally:
@@ -192,12 +192,12 @@ def test_tampered_and_replayed_frames_are_dropped(src: TransferSource) -> None:
     raw = Raw(src.address)
     try:
         assert isinstance(raw.handshake(TEST_KEY), proto.HelloOk)
-        query = raw.seal(proto.Query(v=2, transfer_id=tid, token=token))
+        query = raw.seal(proto.Query(v=proto.VERSION, transfer_id=tid, token=token))
         raw.sock.send(query)
         verdict, _ = raw.opener.open(raw.sock.recv())
         assert verdict == "ok"
         raw.sock.setsockopt(zmq.RCVTIMEO, 300)
-        tampered = bytearray(raw.seal(proto.Done(v=2, transfer_id=tid, token=token)))
+        tampered = bytearray(raw.seal(proto.Done(v=proto.VERSION, transfer_id=tid, token=token)))
         tampered[5] ^= 0x40
         for frame in (query, bytes(tampered)):  # a replay of the Query, a flipped bit in a Done
             raw.sock.send(frame)

@@ -140,8 +140,8 @@ def test_malformed_messages_rejected_listener_keeps_serving(pair) -> None:
     v1_hello = b"\x83\xa4type\xa5hello\xa1v\x01\xa6compat\x80"
     try:
         for junk in [b"\xc1", b"not msgpack at all", b"x" * (3 << 15),
-                     proto.encode(proto.Query(v=2, transfer_id="a" * 32, token="b" * 32)),
-                     proto.encode(proto.Regions(v=2, transfer_id="a" * 32, anchor_offset=0, anchor_nbytes=1,
+                     proto.encode(proto.Query(v=proto.VERSION, transfer_id="a" * 32, token="b" * 32)),
+                     proto.encode(proto.Regions(v=proto.VERSION, transfer_id="a" * 32, anchor_offset=0, anchor_nbytes=1,
                                                 residual_offset=-1, residual_nbytes=0, generation=1))]:
             raw.send(junk)
             reply = proto.decode(raw.recv(), 1 << 20)

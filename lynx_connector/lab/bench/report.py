@@ -131,7 +131,7 @@ def e2e_markdown(result: dict[str, Any]) -> str:
                    "vllm:lynx_auto_choices over the cell; each request's own choice, from P's log, is in the JSON's "
                    "requests), with the reasons; the row's MB wire, ideal and limit TTFT use each request's chosen "
                    "mode. `flow`: the proxy's flow, and the flow it really used when that differs (the proxy sends "
-                   "auto requests the sequential way).\n")
+                   "a P's first request the sequential way, to learn its side channel).\n")
     checks = result.get("checks", [])
     if checks:
         out.append("\n### Targets (issues 5, 6, 15: concurrency 1; issue 16's auto: per cell)\n")

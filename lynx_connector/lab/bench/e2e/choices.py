@@ -14,7 +14,7 @@ counts agree with the counter's delta (``p_log``); else, when the counter names 
 (``p_metrics``); else none (``unresolved``: the row keeps the counts, its bytes and ideal TTFT stay unknown).
 
 The proxy's ``/lynx/stats`` counts the requests it sent each flow: its delta over a cell is the flow actually
-used (the proxy sends ``auto`` requests the sequential way even behind ``--flow pipelined``).
+used (the first request to each P goes the sequential way, while the proxy learns P's side channel).
 """
 
 from __future__ import annotations
