@@ -386,6 +386,8 @@ class LynxConnectorScheduler:
         if isinstance(meta, LynxWorkerMeta):
             self._auto.observe(meta.p_link)
             for req_id, (mode, reason) in meta.auto_modes.items():  # D: P named its auto choice (concurrent flow)
+                if req_id not in self._recv_inflight:
+                    continue  # ended meanwhile (aborted): nothing to report, nothing to keep
                 self._auto_report[req_id] = {"mode": mode, "reason": reason}
                 if not get_mode(mode).late_residual and req_id in self.spec_pending:
                     self.spec_pending.discard(req_id)  # reported ready only once its KV is whole

@@ -260,6 +260,15 @@ def test_d_lets_p_choose_in_the_concurrent_flow(p_choice, reason, pending):
                                               LynxWorkerMeta(residual_merged={"d-1"})))
     r.status = RequestStatus.FINISHED_STOPPED
     assert s.request_finished(r, [0, 1]) == (False, {"lynx_auto": {"mode": served, "reason": reason}})
+    # a request aborted before its worker's report arrives keeps nothing behind
+    r2 = d_auto_req("d-2")
+    s.get_num_new_matched_tokens(r2, 0)
+    s.update_state_after_alloc(r2, FakeBlocks([2, 3]), 64)
+    r2.status = RequestStatus.FINISHED_ABORTED
+    assert s.request_finished(r2, [2, 3]) == (True, None)  # its blocks wait for the worker's cancel
+    s.update_connector_output(SimpleNamespace(finished_recving={"d-2"}, failed_recving=(), kv_connector_worker_meta=
+                                              LynxWorkerMeta(auto_modes={"d-2": (served, reason)})))
+    assert s._auto_report == {} and s.spec_pending == set()
 
 
 def test_d_without_speculation_serves_a_lynx_choice_as_full():
