@@ -21,6 +21,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from lynx_connector.logger import init_logger
 from lynx_connector.transport import protocol as proto
+from lynx_connector.transport.events import ANCHOR, RESIDUAL
 
 logger = init_logger(__name__)
 
@@ -228,9 +229,10 @@ class PullState:
     #: transfer mode P may have chosen; P's first Regions names the mode (``Regions.mode``) and so the sizes.
     #: None: the sizes given to `watch` apply, whatever P names.
     layouts: dict[str, tuple[int, int]] | None = None
-    #: The mode P named for it, and why auto chose it ("" when P named none).
-    mode: str = ""
-    auto_reason: str = ""
+
+    def streams(self) -> set[str]:
+        """The streams this pull reads: the anchor, and the residual when it has a residual view."""
+        return {ANCHOR} if self.residual is None else {ANCHOR, RESIDUAL}
 
     @property
     def follows_token(self) -> bool:

@@ -35,9 +35,10 @@ __all__ = [
     "VERSION", "ProtocolError", "Hello", "Challenge", "Auth", "HelloOk", "Query", "Regions", "NotReady", "Done",
     "Ack", "Error", "KeepAlive", "Alive", "Message", "encode", "decode", "compat_hash", "compat_diff", "proof_p", "proof_d",
     "session_key", "seal", "Opener", "SEALED", "MAX_KEEPALIVE", "MAX_TOKEN_ID", "P_TO_D", "D_TO_P", "HEX_ID_LEN", "is_hex_id",
+    "is_mode_name",
 ]
 
-VERSION = 3  # v3: Regions names the transfer mode (auto in the concurrent flow, docs/PROTOCOL.md 6)
+VERSION = 3  # v3: Regions names the transfer mode (auto in the concurrent flow, docs/PROTOCOL.md 7)
 MAX_ID = 512
 MAX_MD = 1 << 20
 HEX_ID_LEN = 32  # transfer ids and tokens: 16 random bytes, hex
@@ -65,6 +66,15 @@ def is_hex_id(value: object) -> bool:
     """A transfer id or token: exactly 32 lower-case hex characters."""
     return (isinstance(value, str) and len(value) == HEX_ID_LEN
             and all(c in "0123456789abcdef" for c in value))
+
+
+def is_mode_name(value: object) -> bool:
+    """A value ``Regions.mode`` / ``Regions.auto_reason`` can carry (the `ModeName` constraint)."""
+    try:
+        msgspec.convert(value, ModeName)
+    except msgspec.ValidationError:
+        return False
+    return True
 
 
 class ProtocolError(ValueError):
@@ -128,7 +138,7 @@ class Regions(_Msg, tag="regions"):
     first_token: I64 = -1
     #: The transfer mode P staged the request under (``lynx_connector/modes.py``: the one it was asked for, or
     #: the one its ``auto`` chose) and, for an auto choice, why (``lynx_connector.auto.AUTO_REASONS``). A D that
-    #: let P choose (auto in the concurrent flow, docs/PROTOCOL.md section 6) sizes its staging by it; "" = not
+    #: let P choose (auto in the concurrent flow, docs/PROTOCOL.md section 7) sizes its staging by it; "" = not
     #: named (a P that stages without a mode: D then checks the sizes only).
     mode: ModeName = ""
     auto_reason: ModeName = ""

@@ -158,7 +158,6 @@ class ReplyHandlers:
                 return
         if pull.held:  # watched: P holds it now; D's staging comes with `attach`, P's lease renewed meanwhile
             pull.state, pull.generation = "staged", msg.generation
-            pull.mode, pull.auto_reason = msg.mode, msg.auto_reason
             pull.deadline = time.monotonic() + 2 * self.config.timeout_s  # the caller's own wait ends first
             with self._ev_cond:
                 self._staged.append(Staged(pull.req_id, msg.mode, msg.auto_reason))
@@ -188,7 +187,7 @@ class ReplyHandlers:
                        f"the modes this pull accepts ({', '.join(pull.layouts)})")
             return False
         pull.anchor, pull.residual = (0, sizes[0]), ((0, sizes[1]) if sizes[1] else None)
-        pull.pending = {ANCHOR} if pull.residual is None else {ANCHOR, RESIDUAL}
+        pull.pending = pull.streams()
         pull.layouts = None  # decided: later answers are checked against these sizes
         return True
 

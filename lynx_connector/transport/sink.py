@@ -37,7 +37,7 @@ import zmq
 from lynx_connector.logger import init_logger
 from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.config import TransportConfig
-from lynx_connector.transport.events import ANCHOR, RESIDUAL, TransferEvent
+from lynx_connector.transport.events import ANCHOR, TransferEvent
 from lynx_connector.transport.first_token import FirstTokenFollower
 from lynx_connector.transport.link import Addr, DoneCourier, PeerLink, PullState, Staged
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
@@ -325,7 +325,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
     def _start_pull(self, pull: PullState) -> None:
         self._pulls[pull.req_id] = pull
         self._early += pull.early
-        pull.pending = {ANCHOR} if pull.residual is None else {ANCHOR, RESIDUAL}
+        pull.pending = pull.streams()
         peer = self._peers.get(pull.addr)
         if peer is None:
             peer = self._connect(pull.addr)

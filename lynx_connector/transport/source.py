@@ -49,7 +49,6 @@ logger = init_logger(__name__)
 __all__ = ["TransferSource"]
 
 IDLE_POLL_MS = 500
-_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")  # of a mode name or auto reason (Regions)
 MAX_REJECTED = 4096  # rejections remembered (each for lease_s) so D hears why, not "unknown request"
 
 
@@ -205,7 +204,7 @@ class TransferSource(SourceAnswers, SideChannelServer):
         self._check_id(req_id)
         self._mint(transfer_id or "0" * 32, token or "0" * 32)  # validate before allocating
         for what, val in (("mode", mode), ("auto_reason", auto_reason)):
-            if not (isinstance(val, str) and len(val) <= 32 and all(c in _NAME_CHARS for c in val)):
+            if not proto.is_mode_name(val):
                 raise ValueError(f"{what} must be at most 32 characters of [a-z0-9_], got {val!r}")
         with self._lock:
             entry = self._entries.get(req_id)

@@ -1,4 +1,4 @@
-"""D's watched pulls (a part of `TransferSink`; docs/PROTOCOL.md section 6): in the concurrent flow D asks P for
+"""D's watched pulls (a part of `TransferSink`; docs/PROTOCOL.md sections 6 and 7): in the concurrent flow D asks P for
 a request before P may have it, and takes its own staging only once P has staged it.
 
 `watch` queues such a pull without D's staging; P's first Regions answer makes it "staged" (reported once by
