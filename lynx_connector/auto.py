@@ -3,9 +3,9 @@ full-precision modes only (the lossless passthrough ``bf16``, Lynx ``full``, Lyn
 4-bit, fp8, int8 or anchor-only mode), from what is known at that moment.
 
 Rule (:func:`choose`; docs/OPERATIONS.md "Auto mode"). ``R`` is the link rate: ``link_gbps`` when configured,
-else measured by P from the transfers D completed within ``auto_window_s`` (bytes over the time at least one of
-them was being read, from D's first query to its Done; for a transfer D read while P still published its layers,
-possibly only its last layers' bytes from when they became readable: ``transport/source.py`` ``_link_span``); ``Q`` the bytes staged on P that D has not finished
+else measured from the transfers D read whole within ``auto_window_s``: their bytes over the link time D
+measured reading them, which each Done carries (D shares each moment among its chunks in flight, so it counts
+neither P's forward nor D's waits: docs/PROTOCOL.md section 8); ``Q`` the bytes staged on P that D has not finished
 reading; ``T_p`` the estimated prefill time of this prompt (P's recent seconds per prompt token); ``C`` the
 estimated Lynx codec time of this prompt (P's recent Lynx encode seconds per token, twice: D decodes too).
 
@@ -106,8 +106,10 @@ def choose(candidates: Sequence[str], link: LinkView, req: AutoRequest, speculat
 
 
 class LinkMeter:
-    """P's measured link rate: bytes over busy time of the transfers D completed within ``window_s`` (each an
-    interval from D's first query of the request to its Done, as ``TransferSource.take_pulled`` reports them)."""
+    """P's measured link rate: bytes over link time of the transfers D read whole within ``window_s``, each as
+    (when D's Done came, the link seconds D measured, bytes), as ``TransferSource.take_pulled`` reports them. D
+    shares its busy time among its transfers, so the link times add up: concurrent transfers are not counted
+    twice, and the rate is the one a transfer gets while D reads (from every P it pulls from)."""
 
     def __init__(self, window_s: float, clock: Any = time.monotonic) -> None:
         self._window_s = window_s
@@ -115,26 +117,16 @@ class LinkMeter:
         self._done: deque[tuple[float, float, int]] = deque(maxlen=512)
 
     def add(self, pulled: Iterable[tuple[float, float, int]]) -> None:
-        for start, end, nbytes in pulled:
-            if end > start and nbytes > 0:
-                self._done.append((start, end, nbytes))
+        for end, link_s, nbytes in pulled:
+            if link_s > 0.0 and nbytes > 0:
+                self._done.append((end, link_s, nbytes))
 
     def rate(self) -> float | None:
-        """Bytes per second while at least one transfer was being read, or None without a recent transfer."""
+        """Bytes per second of link time, or None without a recent measured transfer."""
         horizon = self._clock() - self._window_s
-        spans = sorted((s, e, n) for s, e, n in self._done if e >= horizon)
-        if not spans:
-            return None
-        busy, total, cur_s, cur_e = 0.0, 0, spans[0][0], spans[0][1]
-        for s, e, n in spans:
-            total += n
-            if s > cur_e:
-                busy += cur_e - cur_s
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        busy += cur_e - cur_s
-        return total / busy if busy > 0 else None
+        recent = [(s, n) for e, s, n in self._done if e >= horizon]
+        busy = sum(s for s, _ in recent)
+        return sum(n for _, n in recent) / busy if busy > 0 else None
 
 
 class AutoEstimator:

@@ -5,6 +5,7 @@
   ("publish", [req_id, ...]) -> ("ok", None)
   ("stats",) -> ("ok", stats dict incl. process cpu_s)      ("freed",) -> ("ok", [req ids freed so far])
   ("tickets", [req_id, ...]) -> ("ok", {req_id: (transfer_id, token)})   what D's pull needs (protocol v2)
+  ("pulled",) -> ("ok", [(Done's arrival, D's link seconds, bytes), ...])  `TransferSource.take_pulled` (v4)
   ("stop",) -> ("ok", None) and exit
 The payload of a staged request is pseudo-random bytes from `seed` (`payload(n, seed)`), so the other side
 can check byte-exactness without shipping it; a negative seed fills a constant instead (benches, no crc).
@@ -75,6 +76,8 @@ def _main(conn: Connection, cfg: dict[str, Any], compat: dict[str, Any]) -> None
                 conn.send(("ok", {**src.stats(), "process_cpu_s": time.process_time() - cpu0}))
             elif cmd[0] == "tickets":
                 conn.send(("ok", {r: src.ticket(r) for r in cmd[1]}))
+            elif cmd[0] == "pulled":
+                conn.send(("ok", src.take_pulled()))
             elif cmd[0] == "freed":
                 conn.send(("ok", list(freed)))
             elif cmd[0] == "stop":

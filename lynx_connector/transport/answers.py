@@ -29,7 +29,7 @@ class SourceAnswers:
     _by_tid: dict[str, str]
     _rejected: dict[str, tuple[str, str, float, str]]
     _log: RateLimitedLog
-    _free: Any  # TransferSource._free(req_id, why) -> bool
+    _free: Any  # TransferSource._free(req_id, why, link_s=0.0) -> bool
 
     def _notified_done(self, rest: str) -> None:
         """A NIXL notification ``done:<transfer_id>:<token>``: frees only with the right token."""
@@ -75,7 +75,6 @@ class SourceAnswers:
                 if entry is not None and not owned_elsewhere and entry.published and entry.staged is not None:
                     entry.owner = sess.owner
                     entry.deadline = time.monotonic() + self.config.lease_s
-                    entry.t_served = entry.t_served or time.monotonic()
             if entry is None and rejected is not None and hmac.compare_digest(rejected[3].encode(), msg.token.encode()):
                 return proto.Error(v=v, code=rejected[0], message=rejected[1], transfer_id=msg.transfer_id)
             if entry is None or owned_elsewhere:
@@ -111,7 +110,7 @@ class SourceAnswers:
                     return proto.Ack(v=v, transfer_id=msg.transfer_id)
             if req_id is None:
                 return self._unknown(msg.transfer_id)
-            self._free(req_id, "done")
+            self._free(req_id, "done", msg.link_s)
             return proto.Ack(v=v, transfer_id=msg.transfer_id)
         if isinstance(msg, proto.KeepAlive):
             return self._keep_alive(sess, msg)

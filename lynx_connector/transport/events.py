@@ -18,7 +18,8 @@ class TransferEvent:
 
     `seconds` is measured from `pull()` to completion (or failure); `nbytes` is the bytes landed;
     `data_seconds` from the stream's first chunk post to completion (None if nothing was posted);
-    `generation` that of P's staging the stream was read from (0 when it failed before P named its regions).
+    `generation` that of P's staging the stream was read from (0 when it failed before P named its regions);
+    `link_seconds` the link time its reads took (its share of D's busy link: `TransferScheduler._account`).
     """
 
     req_id: str
@@ -29,3 +30,4 @@ class TransferEvent:
     seconds: float
     data_seconds: float | None = None
     generation: int = 0
+    link_seconds: float = 0.0

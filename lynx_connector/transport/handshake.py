@@ -1,4 +1,4 @@
-"""P's side of the authenticated side channel (protocol v3, docs/PROTOCOL.md section 1): the handshake
+"""P's side of the authenticated side channel (protocol v4, docs/PROTOCOL.md section 1): the handshake
 (Hello -> Challenge -> Auth -> HelloOk), the sessions per zmq identity, sealed replies, the single ``refused``
 answer for everyone else, and rate-limited warnings about bad frames.
 

@@ -1,5 +1,5 @@
 """D's control-path state: the side-channel connection to one P (`PeerLink`: a zmq DEALER socket, the handshake
-and session state (protocol v3: Hello -> Challenge -> Auth -> HelloOk, then sealed frames) and liveness), one
+and session state (protocol v4: Hello -> Challenge -> Auth -> HelloOk, then sealed frames) and liveness), one
 pull's state (`PullState`) and the Dones owed to peers (`DoneCourier`).
 
 The sink's service thread owns every link (zmq sockets are not thread-safe). A link can be re-opened: a new
@@ -209,6 +209,7 @@ class PullState:
     pending: set[str] = field(default_factory=set)
     failed: bool = False
     done_sent: bool = False
+    link_s: float = 0.0  # the link time of its streams read so far (TransferEvent.link_seconds): told P in Done
     order: str = "split"  # how the request's output depends on its planes (transport/ranking.py)
     #: Concurrent flow: the proxy sent the request to P and D at once, so "unknown request" means "not yet"
     #: until the pull's deadline (which then covers P's queue and prefill).
@@ -258,16 +259,16 @@ class DoneCourier:
     def __init__(self, resend_s: float, give_up_s: float) -> None:
         self._resend_s, self._give_up_s = resend_s, give_up_s
         self._owed: dict[tuple[Addr, str], list[float]] = {}  # (peer, transfer id) -> [next send, interval, give up at]
-        self._tokens: dict[tuple[Addr, str], str] = {}
+        self._tokens: dict[tuple[Addr, str], tuple[str, float]] = {}  # -> (token, link_s)
 
     def __len__(self) -> int:
         return len(self._owed)
 
-    def owe(self, addr: Addr, ticket: tuple[str, str], now: float) -> None:
-        """``ticket``: (transfer id, token) of the Done."""
+    def owe(self, addr: Addr, ticket: tuple[str, str], now: float, link_s: float = 0.0) -> None:
+        """``ticket``: (transfer id, token) of the Done; ``link_s`` its measured link time (sent again with it)."""
         key = (addr, ticket[0])
         self._owed[key] = [now + self._resend_s, self._resend_s, now + self._give_up_s]
-        self._tokens[key] = ticket[1]
+        self._tokens[key] = (ticket[1], link_s)
 
     def ack(self, addr: Addr, transfer_id: str) -> None:
         self._owed.pop((addr, transfer_id), None)
@@ -283,9 +284,9 @@ class DoneCourier:
     def owed_to(self, addr: Addr) -> bool:
         return any(a == addr for a, _ in self._owed)
 
-    def due(self, now: float) -> list[tuple[Addr, tuple[str, str]]]:
-        """The Dones to send again now, as (peer, (transfer id, token)); those past their give-up time are
-        forgotten."""
+    def due(self, now: float) -> list[tuple[Addr, tuple[str, str], float]]:
+        """The Dones to send again now, as (peer, (transfer id, token), link_s); those past their give-up time
+        are forgotten."""
         out = []
         for key, st in list(self._owed.items()):
             if now >= st[2]:
@@ -294,7 +295,8 @@ class DoneCourier:
             elif now >= st[0]:
                 st[1] = min(2 * st[1], self.MAX_INTERVAL_S)
                 st[0] = now + st[1]
-                out.append((key[0], (key[1], self._tokens[key])))
+                token, link_s = self._tokens[key]
+                out.append((key[0], (key[1], token), link_s))
         return out
 
     def next_time(self) -> float | None:

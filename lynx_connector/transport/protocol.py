@@ -1,4 +1,4 @@
-"""Side-channel wire protocol v3 (zmq ROUTER on P, DEALER on D): versioned msgpack messages via msgspec,
+"""Side-channel wire protocol v4 (zmq ROUTER on P, DEALER on D): versioned msgpack messages via msgspec,
 an HMAC handshake over the deployment key and a MAC on every frame of a session (docs/PROTOCOL.md 1 and 2).
 
 Every frame from the network is size-checked before decoding, decoded into a closed set of typed messages
@@ -11,7 +11,9 @@ Nothing is ever unpickled. One message per zmq frame (DEALER sends [payload]; RO
                                     (Regions names how much of each region is ready: layer-wise publish,
                                      P's first token once sampled: concurrent flow, and the transfer mode
                                      P staged it under: v3, for auto in the concurrent flow)
-  D -> P  Done(transfer_id, token)             (sealed)    P -> D  Ack | Error                    (sealed)
+  D -> P  Done(transfer_id, token, link_s)     (sealed)    P -> D  Ack | Error                    (sealed)
+                                    (link_s: the seconds of link time D's reads of the transfer took: v4, P's
+                                     measured link for auto)
   D -> P  KeepAlive([(transfer_id, token)...]) (sealed)    P -> D  Alive(gone)                    (sealed)
 
 Hello, Challenge and any Error to a peer without a session are plain msgpack. Every other frame is *sealed*
@@ -38,7 +40,7 @@ __all__ = [
     "is_mode_name",
 ]
 
-VERSION = 3  # v3: Regions names the transfer mode (auto in the concurrent flow, docs/PROTOCOL.md 7)
+VERSION = 4  # v3: Regions names the transfer mode (auto in the concurrent flow); v4: Done carries link_s (PROTOCOL.md 7, 8)
 MAX_ID = 512
 MAX_MD = 1 << 20
 HEX_ID_LEN = 32  # transfer ids and tokens: 16 random bytes, hex
@@ -151,6 +153,10 @@ class NotReady(_Msg, tag="not_ready"):
 class Done(_Msg, tag="done"):
     transfer_id: HexId
     token: HexId
+    #: The link time D's reads of this transfer took (docs/PROTOCOL.md section 8): each moment a chunk of it was
+    #: in flight counts in proportion to its share of D's bytes in flight then, so that D's transfers share its
+    #: busy time without counting it twice. 0 = not measured (the pull did not complete: failed, abandoned).
+    link_s: Annotated[float, msgspec.Meta(ge=0, le=1e6)] = 0.0
 
 
 class KeepAlive(_Msg, tag="keep_alive"):

@@ -60,6 +60,8 @@ class StreamJob:
     t_queued: float = 0.0  # set by submit
     t_ready: float | None = None  # a split residual: when its anchor was fully posted
     seq: int = 0  # queueing order (set by submit)
+    #: Link time this stream's chunks took (`TransferScheduler._account`): reported to P in Done (its link meter).
+    link_s: float = 0.0
 
     @property
     def postable(self) -> int:
@@ -109,6 +111,7 @@ class TransferScheduler:
         self.inflight_bytes = 0
         self.hold_until = 0.0  # set by the owner: split anchors it knows are coming (regions not yet known)
         self._emitted = False
+        self._accounted_at = clock()
         self.stats = SchedulerStats()
         rate = config.link_bytes_per_s
         # A speculative (split) request's residual fills the link while its anchor waits for P (layer-wise publish)
@@ -167,6 +170,7 @@ class TransferScheduler:
 
     def _drop(self, req_id: str, error: str | None) -> None:
         jobs = [self._jobs.pop(k) for k in [k for k in self._jobs if k[0] == req_id]]
+        self._account(self._clock())
         for f in [f for f in self._inflight if f.job.req_id == req_id]:
             self._inflight.remove(f)
             self.inflight_bytes -= f.nbytes
@@ -235,19 +239,33 @@ class TransferScheduler:
         except Exception as exc:
             self.fail(job.req_id, f"NIXL READ of {job.stream} from {job.peer} failed: {exc}")
             return
+        self._account(now)
         job.inflight += n
         self.inflight_bytes += n
         self.stats.max_inflight_bytes = max(self.stats.max_inflight_bytes, self.inflight_bytes)
         due = 0.0 if self._link is None else self._link.reserve(n, now, self._backlogged)
         self._backlogged = False
         entry = _Inflight(job, handle, n, now, due)
-        if state == "PROC":
-            self._inflight.append(entry)
-        elif state == "DONE" and entry.t_due > self._clock():
+        self._inflight.append(entry)
+        if state == "DONE" and entry.t_due > self._clock():
             entry.state = state  # moved (cma is synchronous), but not yet on the emulated link
-            self._inflight.append(entry)
-        else:
-            self._complete(entry, state, self._clock())
+        elif state != "PROC":
+            done_at = self._clock()
+            self._account(done_at)
+            self._inflight.remove(entry)
+            self._complete(entry, state, done_at)
+
+    def _account(self, now: float) -> None:
+        """Share the link time since the last call among the chunks in flight, by their bytes: each stream's
+        ``link_s`` is the link time its reads took, and D's streams together count each busy moment once (so P's
+        meter can add them up, whoever else D reads from). Called before every change of what is in flight."""
+        dt = now - self._accounted_at
+        if dt <= 0.0:
+            return
+        self._accounted_at = now
+        if self.inflight_bytes > 0:
+            for f in self._inflight:
+                f.job.link_s += dt * f.nbytes / self.inflight_bytes
 
     def _reap(self, now: float) -> None:
         settled: list[tuple[_Inflight, str]] = []
@@ -268,6 +286,7 @@ class TransferScheduler:
                 entry.state = state  # the emulated link has not delivered it yet
                 continue
             settled.append((entry, state))
+        self._account(now)
         # Chunks found settled in one pass completed in no order we can know (UCX does not order READ
         # completions); settle anchors first, so that when both streams of a request finish in one pass the
         # anchor's event comes first, as the priority order promises.
@@ -298,7 +317,8 @@ class TransferScheduler:
             logger.warning("transfer %s/%s failed: %s", job.req_id, job.stream, error)
         self._emitted = True
         data_s = None if job.t_first_post is None else now - job.t_first_post
-        self._on_event(TransferEvent(job.req_id, job.stream, ok, error, job.done, now - job.t0, data_s))
+        self._on_event(TransferEvent(job.req_id, job.stream, ok, error, job.done, now - job.t0, data_s,
+                                     link_seconds=job.link_s))
 
     def _release(self, handle: Any) -> None:
         try:

@@ -2,7 +2,7 @@
 
 A single service thread owns the NIXL agent, the per-peer zmq DEALER sockets and the `TransferScheduler`;
 caller threads only enqueue commands (pull / release / abort) and read events. Per peer address the
-authenticated handshake (protocol v3: D and P prove the deployment key, then every frame carries a MAC and a
+authenticated handshake (protocol v4: D and P prove the deployment key, then every frame carries a MAC and a
 sequence number; P sends its agent metadata, pool descriptor and compat hash) is done once and the session
 cached; a pull names its request by P's transfer id and token (from kv_transfer_params); a failed READ drops the
 peer from the cache so the next pull re-handshakes. Every pulled stream yields exactly one `TransferEvent`
@@ -345,16 +345,18 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         self._peers[pull.addr].send(proto.Query(v=proto.VERSION, transfer_id=pull.transfer_id, token=pull.token))
 
     def _send_done(self, pull: PullState) -> None:
-        """Tell P to free; the Done is owed (sent again) until P acknowledges it."""
-        self._owe_done(pull.addr, (pull.transfer_id, pull.token))
+        """Tell P to free; the Done is owed (sent again) until P acknowledges it. A pull read whole tells P the
+        link time its reads took (P's measured link, auto); any other says 0 (not measured)."""
+        whole = not pull.failed and not pull.pending and pull.state == "transferring"
+        self._owe_done(pull.addr, (pull.transfer_id, pull.token), link_s=pull.link_s if whole else 0.0)
 
-    def _owe_done(self, addr: Addr, ticket: tuple[str, str], connect: bool = False) -> None:
-        self._courier.owe(addr, ticket, time.monotonic())
+    def _owe_done(self, addr: Addr, ticket: tuple[str, str], connect: bool = False, link_s: float = 0.0) -> None:
+        self._courier.owe(addr, ticket, time.monotonic(), link_s)
         peer = self._peers.get(addr)
         if peer is None and connect:
             peer = self._connect(addr)  # sent once the session is up
         if peer is not None:
-            peer.send(proto.Done(v=proto.VERSION, transfer_id=ticket[0], token=ticket[1]))
+            peer.send(proto.Done(v=proto.VERSION, transfer_id=ticket[0], token=ticket[1], link_s=link_s))
 
     def _forget(self, req_id: str) -> None:
         with self._ev_lock:
@@ -398,6 +400,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
                 self._publish([ev])
                 continue
             pull.pending.discard(ev.stream)
+            pull.link_s += ev.link_seconds
             if not ev.ok and not pull.failed:
                 pull.failed = True
                 err = ev.error or "transfer failed"

@@ -1,6 +1,6 @@
 """P side: `TransferSource` owns the staging pool (registered with NIXL once), a NIXL agent and the zmq
 ROUTER side channel whose service thread runs the authenticated handshake, answers region queries and frees
-staging (protocol v3, docs/PROTOCOL.md sections 1 and 2).
+staging (protocol v4, docs/PROTOCOL.md sections 1 and 2).
 
 Lifecycle of a request's staging: (`expect`: D's queries get NotReady while P waits for room) -> `alloc` ->
 caller encodes into the views -> (`publish_partial` as layers are encoded: D reads the ready prefix while the
@@ -60,29 +60,11 @@ class _Entry:
     published: bool = False
     deadline: float | None = None
     owner: bytes | None = None  # the session lineage whose Query got Regions
-    t_served: float | None = None  # when D first got its Regions (started reading): measures the link (auto)
     ready: tuple[int, int] | None = None  # published in part (layer-wise): readable prefix bytes; None = all
     writing: bool = False  # staged and the caller is still encoding into it (until `publish`)
     first_token: int = -1  # the token P sampled after the prompt (`set_first_token`), -1 = not known yet
     mode: str = ""  # the transfer mode it is staged under, and why auto chose it (named in Regions)
     auto_reason: str = ""
-    #: Published in part and already being read when it became whole: (when, bytes that became readable then).
-    tail: tuple[float, int] | None = None
-
-
-def _link_span(entry: _Entry, done_at: float) -> tuple[float, float, int]:
-    """(start, end, bytes) of a transfer D has read, as P's link meter counts it (auto). From D's first Regions to
-    its Done; a transfer D read while P still published it (pipelined) may instead count only its last bytes,
-    from the moment they became readable: the whole span includes P's forward, when D waited for layers, and
-    would take a fast link for a slow one. Both are lower bounds of the rate: the larger one is kept."""
-    assert entry.staged is not None and entry.t_served is not None
-    total = entry.staged.anchor_nbytes + entry.staged.residual_nbytes
-    span = (entry.t_served, done_at, total)
-    if entry.tail is not None:
-        t_whole, tail = entry.tail
-        if entry.t_served < t_whole < done_at and tail * (done_at - entry.t_served) > total * (done_at - t_whole):
-            span = (t_whole, done_at, tail)
-    return span
 
 
 class TransferSource(SourceAnswers, SideChannelServer):
@@ -112,7 +94,7 @@ class TransferSource(SourceAnswers, SideChannelServer):
         self._by_tid: dict[str, str] = {}  # transfer_id -> req_id
         self._rejected: dict[str, tuple[str, str, float, str]] = {}  # transfer_id -> (code, message, forget at, token)
         self._freed: list[str] = []
-        self._pulled: deque[tuple[float, float, int]] = deque(maxlen=1024)  # take_pulled (auto's link measure)
+        self._pulled: deque[tuple[float, float, int]] = deque(maxlen=1024)  # take_pulled (auto's link meter)
         self._abandoned: OrderedDict[str, None] = OrderedDict()  # expected requests D gave up on (take_abandoned)
         # Freed by D (Done, lease) while the caller still encodes into them (layer-wise): their regions are freed
         # only when the caller stops writing (publish / abort), never reused under its writes.
@@ -251,9 +233,6 @@ class TransferSource(SourceAnswers, SideChannelServer):
                 entry = self._entries.get(req_id)
                 if entry is None or entry.staged is None:
                     raise KeyError(f"no staging for request {req_id!r}")
-                if entry.ready is not None and entry.t_served is not None:  # D reads it as P publishes
-                    st = entry.staged
-                    entry.tail = (time.monotonic(), st.anchor_nbytes + st.residual_nbytes - sum(entry.ready))
                 entry.published, entry.writing = True, False
                 entry.ready = None
                 entry.deadline = time.monotonic() + self.config.lease_s
@@ -325,7 +304,8 @@ class TransferSource(SourceAnswers, SideChannelServer):
             return True
 
     def take_pulled(self) -> list[tuple[float, float, int]]:
-        """(D's first query, D's Done, bytes staged) of each request D finished reading since the last call."""
+        """(when D's Done came, the link time D measured, bytes staged) of each request D read whole since the
+        last call (Done's ``link_s``: docs/PROTOCOL.md section 8)."""
         with self._lock:
             out = list(self._pulled)
             self._pulled.clear()
@@ -365,7 +345,8 @@ class TransferSource(SourceAnswers, SideChannelServer):
         self._ctx.term()
 
     # ---- internals ---------------------------------------------------------------------------
-    def _free(self, req_id: str, why: str) -> bool:
+    def _free(self, req_id: str, why: str, link_s: float = 0.0) -> bool:
+        """``link_s``: the link time D measured reading the request (its Done; 0 = not measured)."""
         with self._lock:
             entry = self._entries.pop(req_id, None)
             if entry is None:
@@ -373,8 +354,8 @@ class TransferSource(SourceAnswers, SideChannelServer):
             self._by_tid.pop(entry.transfer_id, None)
             self._freed.append(req_id)
             self.counters[f"freed_{why}"] += 1
-            if why == "done" and entry.staged is not None and entry.t_served is not None:
-                self._pulled.append(_link_span(entry, time.monotonic()))
+            if why == "done" and entry.staged is not None and link_s > 0.0:
+                self._pulled.append((time.monotonic(), link_s, entry.staged.anchor_nbytes + entry.staged.residual_nbytes))
             if why == "done" and entry.staged is None:  # D gave up before P had room: P must not stage it later
                 self._abandoned[req_id] = None
                 if len(self._abandoned) > MAX_REJECTED:

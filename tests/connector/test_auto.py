@@ -96,14 +96,18 @@ def test_a_reported_queue_drains_at_the_link_rate():
     assert est.link().queued_bytes == 0
 
 
-def test_link_meter_counts_busy_time_once():
+def test_link_meter_adds_the_link_times_d_measured():
+    """Samples are (Done's arrival, D's link seconds, bytes); D already shared its busy time among transfers it
+    read together, so the meter adds them up; unmeasured ones (0 s) are not counted."""
     now = [100.0]
     m = LinkMeter(window_s=10.0, clock=lambda: now[0])
     assert m.rate() is None
-    m.add([(91.0, 93.0, 2000), (92.0, 94.0, 2000), (96.0, 97.0, 1000)])  # overlapping: busy 3 s + 1 s
+    m.add([(93.0, 1.5, 2000), (94.0, 0.5, 2000), (97.0, 2.0, 1000), (98.0, 0.0, 5000)])
     assert m.rate() == pytest.approx(5000 / 4)
-    now[0] = 105.5  # the first two are out of the window
-    assert m.rate() == pytest.approx(1000 / 1)
+    now[0] = 104.5  # the first two are out of the window
+    assert m.rate() == pytest.approx(1000 / 2)
+    now[0] = 200.0
+    assert m.rate() is None
 
 
 # ---- the scheduler half -----------------------------------------------------------------------------------

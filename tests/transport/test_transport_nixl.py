@@ -162,6 +162,36 @@ def test_priority_anchor_overtakes_residual_under_pacing(source, paced_sink: Tra
         paced_sink.pool.free_request(r)
 
 
+def test_p_measures_the_link_from_d_done_link_times(source, paced_sink: TransferSink) -> None:
+    """Protocol v4: each Done carries the link time D's reads of the transfer took. Two transfers read together
+    over D's emulated 0.4 Gbit/s link share it, so P's meter (the bytes over the sum of the link times) reads the
+    link's rate, not half of it, and not less for the time the pulls waited to start."""
+    from lynx_connector.auto import LinkMeter
+
+    _, conn, addr = source
+    call(conn, "pulled")  # drop the samples of earlier tests
+    specs = [("m1", 2 * MB, 6 * MB, 31), ("m2", 2 * MB, 6 * MB, 32)]
+    call(conn, "stage", specs, True)
+    views = {r: paced_sink.pool.alloc_request(r, a, b) for r, a, b, _ in specs}
+    for r, v in views.items():
+        paced_sink.pull(r, *addr, *ticket(conn, r), v.anchor, v.residual)
+    evs = [e for _, e in wait_events(paced_sink, 4, 30)]
+    assert all(e.ok for e in evs), evs
+    end, pulled = time.monotonic() + 10, []
+    while len(pulled) < 2:
+        assert time.monotonic() < end, f"P did not hear both Dones: {pulled}"
+        pulled += call(conn, "pulled")
+        time.sleep(0.05)
+    assert sorted(n for _, _, n in pulled) == [8 * MB, 8 * MB]
+    link_s = sum(s for _, s, _ in pulled)
+    assert 16 * MB / (0.4e9 / 8) * 0.95 < link_s < 16 * MB / (0.4e9 / 8) * 1.15, pulled  # ~0.34 s in all
+    meter = LinkMeter(window_s=60.0)
+    meter.add(pulled)
+    assert meter.rate() == pytest.approx(0.4e9 / 8, rel=0.15)
+    for r in views:
+        paced_sink.pool.free_request(r)
+
+
 def test_peer_killed_mid_transfer_fails_within_timeout(source, paced_sink: TransferSink) -> None:
     proc, conn, addr = start_source_process(TransportConfig(pool_bytes=64 * MB, lease_s=60.0, key=TEST_KEY), COMPAT)
     try:

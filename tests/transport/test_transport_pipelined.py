@@ -5,6 +5,7 @@ mid-request fails the pull at D's deadline and both sides free everything."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -122,35 +123,44 @@ def test_p_that_stops_publishing_fails_the_pull_and_frees_both_sides(pair) -> No
     assert sink.stats()["pulls_live"] == 0
 
 
-def test_link_meter_span_of_a_pipelined_read_leaves_out_p_forward(pair) -> None:
-    """P's link meter (auto) must not take the time D waited for P's layers for link time: a transfer D read while
-    P published it counts from when it became whole, with the bytes that became readable then; a transfer
-    published whole before D read it counts from D's first Regions with all its bytes."""
-    src, sink = pair
-    st = src.alloc("p", A, R)
-    want_a = torch.randint(0, 256, (A,), dtype=torch.uint8)
-    want_r = torch.randint(0, 256, (R,), dtype=torch.uint8)
-    loc = sink.pool.alloc_request("d", A, R)
-    _publish_layers(src, st, want_a, want_r, range(LAYERS - 1))
-    sink.pull("d", *src.address, *src.ticket("p"), loc.anchor, loc.residual)
-    wait_for(lambda: sink.stats()["bytes_done"] >= _layer(A, LAYERS - 2).stop + _layer(R, LAYERS - 2).stop)
-    time.sleep(0.5)  # P's forward of the last layer: D has read everything readable and waits
-    t_whole = time.monotonic()
-    _publish_layers(src, st, want_a, want_r, [LAYERS - 1])
-    assert all(e.ok for e in collect(sink, 2))
-    wait_for(lambda: src.stats()["requests_live"] == 0)
-    ((start, end, nbytes),) = src.take_pulled()
-    last = len(range(A)[_layer(A, LAYERS - 1)]) + len(range(R)[_layer(R, LAYERS - 1)])
-    assert t_whole <= start < end and nbytes == last
-    sink.pool.free_request("d")
-    st = src.alloc("q", A, R)
-    src.publish("q")
-    loc = sink.pool.alloc_request("e", A, R)
-    sink.pull("e", *src.address, *src.ticket("q"), loc.anchor, loc.residual)
-    assert all(e.ok for e in collect(sink, 2))
-    wait_for(lambda: src.stats()["requests_live"] == 0)
-    assert [n for _, _, n in src.take_pulled()] == [A + R]
-    sink.pool.free_request("e")
+def test_done_tells_p_the_link_time_of_a_pipelined_read_without_p_forward(fabric: FakeFabric) -> None:
+    """P's link meter (auto) takes each transfer's link time from D's Done (``link_s``, protocol v4): the time
+    D's reads were in flight, not the time D waited for P's layers. Emulated link: 360 KB at 28.8 Mbit/s = 0.1 s,
+    against P's 0.5 s forward of its last layer. A transfer D does not read whole is not measured."""
+    rate = (A + R) / 0.1
+    cfg = TransportConfig(pool_bytes=1 << 22, chunk_bytes=16 << 10, timeout_s=1.5, lease_s=30.0, retry_s=0.005,
+                          pipeline_poll_s=0.005, key=TEST_KEY)
+    src = TransferSource(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
+    sink = TransferSink(dataclasses.replace(cfg, link_gbps=rate * 8 / 1e9), COMPAT, nixl=FakeNixlWrapper(fabric, "D"))
+    try:
+        st = src.alloc("p", A, R)
+        want_a = torch.randint(0, 256, (A,), dtype=torch.uint8)
+        want_r = torch.randint(0, 256, (R,), dtype=torch.uint8)
+        loc = sink.pool.alloc_request("d", A, R)
+        _publish_layers(src, st, want_a, want_r, range(LAYERS - 1))
+        t0 = time.monotonic()
+        sink.pull("d", *src.address, *src.ticket("p"), loc.anchor, loc.residual)
+        wait_for(lambda: sink.stats()["bytes_done"] >= _layer(A, LAYERS - 2).stop + _layer(R, LAYERS - 2).stop)
+        time.sleep(0.5)  # P's forward of the last layer: D has read everything readable and waits
+        _publish_layers(src, st, want_a, want_r, [LAYERS - 1])
+        assert all(e.ok for e in collect(sink, 2))
+        wait_for(lambda: src.stats()["requests_live"] == 0)
+        ((end, link_s, nbytes),) = src.take_pulled()
+        assert nbytes == A + R and end - t0 > 0.5
+        assert 0.1 * 0.9 < link_s < 0.2, link_s  # the bytes at the link's rate; the 0.5 s wait left out
+        sink.pool.free_request("d")
+        src.alloc("q", 4 * A, 4 * R)  # D gives up on this one while reading it (0.4 s): Done without a measure
+        src.publish("q")
+        loc = sink.pool.alloc_request("e", 4 * A, 4 * R)
+        sink.pull("e", *src.address, *src.ticket("q"), loc.anchor, loc.residual)
+        wait_for(lambda: sink.stats()["bytes_done"] > A + R)
+        sink.abort("e")
+        wait_for(lambda: src.stats()["requests_live"] == 0)
+        assert src.take_pulled() == []
+        sink.pool.free_request("e")
+    finally:
+        sink.close()
+        src.close()
 
 
 def test_partial_publish_is_bounded_by_the_regions(pair) -> None:

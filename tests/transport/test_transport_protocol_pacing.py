@@ -44,9 +44,10 @@ def test_roundtrip_every_message() -> None:
         (b"\x81\xa4type\xa5query", "malformed"),  # missing fields
         (proto.encode(proto.Query(v=7, transfer_id=TID, token=TOK)), "version"),
         (b"\x83\xa4type\xa5hello\xa1v\x01\xa6compat\x80", "version 1"),  # a v1 Hello
-        (b"\x84\xa4type\xa5query\xa1v\x03\xabtransfer_id\x05\xa5token\x05", "malformed"),  # wrong type
-        (b"\x83\xa4type\xa4evil\xa1v\x03\xa6req_id\xa1r", "malformed"),  # unknown tag
+        (b"\x84\xa4type\xa5query\xa1v\x04\xabtransfer_id\x05\xa5token\x05", "malformed"),  # wrong type
+        (b"\x83\xa4type\xa4evil\xa1v\x04\xa6req_id\xa1r", "malformed"),  # unknown tag
         (b"\x84\xa4type\xa5query\xa1v\x02\xabtransfer_id\xa1a\xa5token\xa1b", "version 2"),  # a v2 peer
+        (proto.encode(proto.Done(v=3, transfer_id=TID, token=TOK)), "version 3"),  # v3: its Done has no link_s
         (proto.encode(proto.Query(v=proto.VERSION, transfer_id=TID, token=TOK))[:-1] + b"\x01", "malformed"),
         (b"x" * 2000, "exceeds"),
     ],
@@ -63,6 +64,17 @@ def test_regions_mode_names_are_bounded() -> None:
     assert proto.decode(proto.encode(ok), 1000).mode == "bf16"
     for bad in ("BF16", "bf-16", "x" * 33):
         frame = proto.encode(ok).replace(b"\xa4bf16", proto.msgspec.msgpack.encode(bad))
+        with pytest.raises(proto.ProtocolError, match="malformed"):
+            proto.decode(frame, 1000)
+
+
+def test_done_link_time_is_bounded() -> None:
+    """v4: Done's link_s (D's measured link time, P's link meter) is a finite number of seconds >= 0."""
+    ok = proto.Done(v=proto.VERSION, transfer_id=TID, token=TOK, link_s=0.25)
+    assert proto.decode(proto.encode(ok), 1000).link_s == 0.25
+    assert proto.decode(proto.encode(proto.Done(v=proto.VERSION, transfer_id=TID, token=TOK)), 1000).link_s == 0.0
+    for bad in (-1.0, float("nan"), float("inf"), 2e6):
+        frame = proto.encode(ok).replace(proto.msgspec.msgpack.encode(0.25), proto.msgspec.msgpack.encode(bad))
         with pytest.raises(proto.ProtocolError, match="malformed"):
             proto.decode(frame, 1000)
 

@@ -375,3 +375,40 @@ def test_anchor_event_first_when_both_streams_settle_in_one_pass(fabric: FakeFab
     dst.hang = False
     run_until_idle(sched, clock)
     assert [(e.stream, e.ok) for e in events] == [("anchor", True), ("residual", True)]
+
+
+def test_link_time_is_shared_among_the_chunks_in_flight_and_leaves_idle_time_out(fabric: FakeFabric) -> None:
+    """Each stream's ``link_seconds`` (told P in Done: its link meter) is its share of the time D had reads in
+    flight: two requests read together split the busy time by bytes, so their sum is the busy time once; time with
+    nothing in flight (D waiting for P) counts for no one."""
+    sched, dst, job, events, clock, _ = make(fabric, chunk_bytes=16 * KB, window_bytes=64 * KB)
+    dst.hang = True  # four chunks in flight: 16 KB of r1, 48 KB of r2 (the window)
+    sched.submit(job("r1", "anchor", 0, 16 * KB))
+    sched.submit(job("r2", "anchor", 64 * KB, 48 * KB))
+    sched.step()
+    assert sched.inflight_bytes == 64 * KB
+    clock.t += 2.0
+    dst.hang = False
+    run_until_idle(sched, clock)
+    by_req = {e.req_id: e.link_seconds for e in events}
+    assert by_req == {"r1": pytest.approx(0.5), "r2": pytest.approx(1.5)}
+    clock.t += 30.0  # idle: D waits for P's next layer
+    sched.submit(job("r1", "residual", 128 * KB, 16 * KB))
+    dst.hang = True
+    sched.step()
+    clock.t += 0.25
+    dst.hang = False
+    run_until_idle(sched, clock)
+    assert events[-1].stream == "residual" and events[-1].link_seconds == pytest.approx(0.25)
+
+
+def test_paced_link_time_is_the_bytes_at_the_link_rate(fabric: FakeFabric) -> None:
+    gbps = 8.0  # 1e9 bytes/s
+    sched, _, job, events, clock, _ = make(fabric, link_gbps=gbps)
+    sched.submit(job("r1", "anchor", 0, 256 * KB))
+    sched.submit(job("r1", "residual", 256 * KB, 128 * KB))
+    sched.submit(job("r2", "anchor", 512 * KB, 128 * KB))
+    run_until_idle(sched, clock)
+    assert len(events) == 3
+    for e in events:
+        assert e.link_seconds == pytest.approx(e.nbytes / 1e9, rel=1e-3)
