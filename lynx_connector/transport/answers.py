@@ -29,7 +29,7 @@ class SourceAnswers:
     _by_tid: dict[str, str]
     _rejected: dict[str, tuple[str, str, float, str]]
     _log: RateLimitedLog
-    _free: Any  # TransferSource._free(req_id, why, link_s=0.0) -> bool
+    _free: Any  # TransferSource._free(req_id, why, measure=(0.0, 0)) -> bool
 
     def _notified_done(self, rest: str) -> None:
         """A NIXL notification ``done:<transfer_id>:<token>``: frees only with the right token."""
@@ -110,7 +110,7 @@ class SourceAnswers:
                     return proto.Ack(v=v, transfer_id=msg.transfer_id)
             if req_id is None:
                 return self._unknown(msg.transfer_id)
-            self._free(req_id, "done", msg.link_s)
+            self._free(req_id, "done", (msg.link_s, msg.link_bytes))
             return proto.Ack(v=v, transfer_id=msg.transfer_id)
         if isinstance(msg, proto.KeepAlive):
             return self._keep_alive(sess, msg)

@@ -25,9 +25,12 @@ from lynx_connector.transport.events import ANCHOR, RESIDUAL
 
 logger = init_logger(__name__)
 
-__all__ = ["Addr", "DoneCourier", "PeerLink", "PullState", "Staged"]
+__all__ = ["Addr", "DoneCourier", "Measure", "NO_MEASURE", "PeerLink", "PullState", "Staged"]
 
 Addr = tuple[str, int]
+#: What a Done tells P of the link (protocol v4): (seconds of link time D's reads took, bytes they read).
+Measure = tuple[float, int]
+NO_MEASURE: Measure = (0.0, 0)
 
 HEARTBEAT_IVL_MS = 1000  # zmq-level heartbeats: a dead TCP connection is noticed and re-established by zmq
 HEARTBEAT_TIMEOUT_MS = 3000
@@ -209,7 +212,8 @@ class PullState:
     pending: set[str] = field(default_factory=set)
     failed: bool = False
     done_sent: bool = False
-    link_s: float = 0.0  # the link time of its streams read so far (TransferEvent.link_seconds): told P in Done
+    link_s: float = 0.0  # the link time and bytes of its streams read so far (TransferEvent): told P in Done
+    link_bytes: int = 0
     order: str = "split"  # how the request's output depends on its planes (transport/ranking.py)
     #: Concurrent flow: the proxy sent the request to P and D at once, so "unknown request" means "not yet"
     #: until the pull's deadline (which then covers P's queue and prefill).
@@ -259,16 +263,16 @@ class DoneCourier:
     def __init__(self, resend_s: float, give_up_s: float) -> None:
         self._resend_s, self._give_up_s = resend_s, give_up_s
         self._owed: dict[tuple[Addr, str], list[float]] = {}  # (peer, transfer id) -> [next send, interval, give up at]
-        self._tokens: dict[tuple[Addr, str], tuple[str, float]] = {}  # -> (token, link_s)
+        self._tokens: dict[tuple[Addr, str], tuple[str, Measure]] = {}  # -> (token, measured link)
 
     def __len__(self) -> int:
         return len(self._owed)
 
-    def owe(self, addr: Addr, ticket: tuple[str, str], now: float, link_s: float = 0.0) -> None:
-        """``ticket``: (transfer id, token) of the Done; ``link_s`` its measured link time (sent again with it)."""
+    def owe(self, addr: Addr, ticket: tuple[str, str], now: float, measure: Measure = NO_MEASURE) -> None:
+        """``ticket``: (transfer id, token) of the Done; ``measure`` its (link seconds, bytes): sent again with it."""
         key = (addr, ticket[0])
         self._owed[key] = [now + self._resend_s, self._resend_s, now + self._give_up_s]
-        self._tokens[key] = (ticket[1], link_s)
+        self._tokens[key] = (ticket[1], measure)
 
     def ack(self, addr: Addr, transfer_id: str) -> None:
         self._owed.pop((addr, transfer_id), None)
@@ -284,8 +288,8 @@ class DoneCourier:
     def owed_to(self, addr: Addr) -> bool:
         return any(a == addr for a, _ in self._owed)
 
-    def due(self, now: float) -> list[tuple[Addr, tuple[str, str], float]]:
-        """The Dones to send again now, as (peer, (transfer id, token), link_s); those past their give-up time
+    def due(self, now: float) -> list[tuple[Addr, tuple[str, str], Measure]]:
+        """The Dones to send again now, as (peer, (transfer id, token), measure); those past their give-up time
         are forgotten."""
         out = []
         for key, st in list(self._owed.items()):
@@ -295,8 +299,8 @@ class DoneCourier:
             elif now >= st[0]:
                 st[1] = min(2 * st[1], self.MAX_INTERVAL_S)
                 st[0] = now + st[1]
-                token, link_s = self._tokens[key]
-                out.append((key[0], (key[1], token), link_s))
+                token, measure = self._tokens[key]
+                out.append((key[0], (key[1], token), measure))
         return out
 
     def next_time(self) -> float | None:

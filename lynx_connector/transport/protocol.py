@@ -11,9 +11,9 @@ Nothing is ever unpickled. One message per zmq frame (DEALER sends [payload]; RO
                                     (Regions names how much of each region is ready: layer-wise publish,
                                      P's first token once sampled: concurrent flow, and the transfer mode
                                      P staged it under: v3, for auto in the concurrent flow)
-  D -> P  Done(transfer_id, token, link_s)     (sealed)    P -> D  Ack | Error                    (sealed)
-                                    (link_s: the seconds of link time D's reads of the transfer took: v4, P's
-                                     measured link for auto)
+  D -> P  Done(transfer_id, token, link_s, link_bytes) (sealed) P -> D  Ack | Error               (sealed)
+                                    (link_s, link_bytes: the link time D's reads of the transfer took and the
+                                     bytes they read: v4, P's measured link for auto)
   D -> P  KeepAlive([(transfer_id, token)...]) (sealed)    P -> D  Alive(gone)                    (sealed)
 
 Hello, Challenge and any Error to a peer without a session are plain msgpack. Every other frame is *sealed*
@@ -153,10 +153,12 @@ class NotReady(_Msg, tag="not_ready"):
 class Done(_Msg, tag="done"):
     transfer_id: HexId
     token: HexId
-    #: The link time D's reads of this transfer took (docs/PROTOCOL.md section 8): each moment a chunk of it was
-    #: in flight counts in proportion to its share of D's bytes in flight then, so that D's transfers share its
-    #: busy time without counting it twice. 0 = not measured (the pull did not complete: failed, abandoned).
+    #: The link time D's reads of this transfer took and the bytes they read (docs/PROTOCOL.md section 8): each
+    #: moment a chunk of it was in flight counts in proportion to its share of D's bytes in flight then, so that
+    #: D's transfers share its busy time without counting it twice. 0 = not measured (the pull did not
+    #: complete: failed, abandoned).
     link_s: Annotated[float, msgspec.Meta(ge=0, le=1e6)] = 0.0
+    link_bytes: U64 = 0
 
 
 class KeepAlive(_Msg, tag="keep_alive"):

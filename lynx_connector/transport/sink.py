@@ -39,7 +39,7 @@ from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.events import ANCHOR, TransferEvent
 from lynx_connector.transport.first_token import FirstTokenFollower
-from lynx_connector.transport.link import Addr, DoneCourier, PeerLink, PullState, Staged
+from lynx_connector.transport.link import NO_MEASURE, Addr, DoneCourier, Measure, PeerLink, PullState, Staged
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
 from lynx_connector.transport.pool import StagingPool
 from lynx_connector.transport.ranking import PULL_ORDERS, SPLIT, PullOrder
@@ -348,15 +348,18 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         """Tell P to free; the Done is owed (sent again) until P acknowledges it. A pull read whole tells P the
         link time its reads took (P's measured link, auto); any other says 0 (not measured)."""
         whole = not pull.failed and not pull.pending and pull.state == "transferring"
-        self._owe_done(pull.addr, (pull.transfer_id, pull.token), link_s=pull.link_s if whole else 0.0)
+        self._owe_done(pull.addr, (pull.transfer_id, pull.token),
+                       measure=(pull.link_s, pull.link_bytes) if whole else NO_MEASURE)
 
-    def _owe_done(self, addr: Addr, ticket: tuple[str, str], connect: bool = False, link_s: float = 0.0) -> None:
-        self._courier.owe(addr, ticket, time.monotonic(), link_s)
+    def _owe_done(self, addr: Addr, ticket: tuple[str, str], connect: bool = False,
+                  measure: Measure = NO_MEASURE) -> None:
+        self._courier.owe(addr, ticket, time.monotonic(), measure)
         peer = self._peers.get(addr)
         if peer is None and connect:
             peer = self._connect(addr)  # sent once the session is up
         if peer is not None:
-            peer.send(proto.Done(v=proto.VERSION, transfer_id=ticket[0], token=ticket[1], link_s=link_s))
+            peer.send(proto.Done(v=proto.VERSION, transfer_id=ticket[0], token=ticket[1], link_s=measure[0],
+                                 link_bytes=measure[1]))
 
     def _forget(self, req_id: str) -> None:
         with self._ev_lock:
@@ -401,6 +404,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
                 continue
             pull.pending.discard(ev.stream)
             pull.link_s += ev.link_seconds
+            pull.link_bytes += ev.nbytes if ev.ok else 0
             if not ev.ok and not pull.failed:
                 pull.failed = True
                 err = ev.error or "transfer failed"

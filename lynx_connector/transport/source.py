@@ -304,8 +304,8 @@ class TransferSource(SourceAnswers, SideChannelServer):
             return True
 
     def take_pulled(self) -> list[tuple[float, float, int]]:
-        """(when D's Done came, the link time D measured, bytes staged) of each request D read whole since the
-        last call (Done's ``link_s``: docs/PROTOCOL.md section 8)."""
+        """(when D's Done came, the link seconds and bytes D measured) of each request D read whole since the last
+        call (Done's ``link_s`` and ``link_bytes``: docs/PROTOCOL.md section 8)."""
         with self._lock:
             out = list(self._pulled)
             self._pulled.clear()
@@ -345,8 +345,8 @@ class TransferSource(SourceAnswers, SideChannelServer):
         self._ctx.term()
 
     # ---- internals ---------------------------------------------------------------------------
-    def _free(self, req_id: str, why: str, link_s: float = 0.0) -> bool:
-        """``link_s``: the link time D measured reading the request (its Done; 0 = not measured)."""
+    def _free(self, req_id: str, why: str, measure: tuple[float, int] = (0.0, 0)) -> bool:
+        """``measure``: (link seconds, bytes) D measured reading the request (its Done; zeros = not measured)."""
         with self._lock:
             entry = self._entries.pop(req_id, None)
             if entry is None:
@@ -354,8 +354,8 @@ class TransferSource(SourceAnswers, SideChannelServer):
             self._by_tid.pop(entry.transfer_id, None)
             self._freed.append(req_id)
             self.counters[f"freed_{why}"] += 1
-            if why == "done" and entry.staged is not None and link_s > 0.0:
-                self._pulled.append((time.monotonic(), link_s, entry.staged.anchor_nbytes + entry.staged.residual_nbytes))
+            if why == "done" and entry.staged is not None and measure[0] > 0.0 and measure[1] > 0:
+                self._pulled.append((time.monotonic(), *measure))
             if why == "done" and entry.staged is None:  # D gave up before P had room: P must not stage it later
                 self._abandoned[req_id] = None
                 if len(self._abandoned) > MAX_REJECTED:

@@ -158,6 +158,15 @@ def test_done_tells_p_the_link_time_of_a_pipelined_read_without_p_forward(fabric
         wait_for(lambda: src.stats()["requests_live"] == 0)
         assert src.take_pulled() == []
         sink.pool.free_request("e")
+        src.alloc("s", A, R)  # D reads the anchor only: P counts the bytes D read, not the bytes it staged
+        src.publish("s")
+        loc = sink.pool.alloc_request("f", A, 0)
+        sink.pull("f", *src.address, *src.ticket("s"), loc.anchor, None)
+        assert all(e.ok for e in collect(sink, 1))
+        wait_for(lambda: src.stats()["requests_live"] == 0)
+        ((_, link_s, nbytes),) = src.take_pulled()
+        assert nbytes == A and A / rate * 0.9 < link_s < A / rate * 2, link_s
+        sink.pool.free_request("f")
     finally:
         sink.close()
         src.close()

@@ -70,8 +70,8 @@ def test_regions_mode_names_are_bounded() -> None:
 
 def test_done_link_time_is_bounded() -> None:
     """v4: Done's link_s (D's measured link time, P's link meter) is a finite number of seconds >= 0."""
-    ok = proto.Done(v=proto.VERSION, transfer_id=TID, token=TOK, link_s=0.25)
-    assert proto.decode(proto.encode(ok), 1000).link_s == 0.25
+    ok = proto.Done(v=proto.VERSION, transfer_id=TID, token=TOK, link_s=0.25, link_bytes=1 << 20)
+    assert proto.decode(proto.encode(ok), 1000) == ok
     assert proto.decode(proto.encode(proto.Done(v=proto.VERSION, transfer_id=TID, token=TOK)), 1000).link_s == 0.0
     for bad in (-1.0, float("nan"), float("inf"), 2e6):
         frame = proto.encode(ok).replace(proto.msgspec.msgpack.encode(0.25), proto.msgspec.msgpack.encode(bad))

@@ -273,14 +273,14 @@ def test_dones_owed_to_a_peer_are_due_at_once_when_its_session_resumes() -> None
 
     c = DoneCourier(resend_s=0.2, give_up_s=60.0)
     p, other = ("127.0.0.1", 5000), ("127.0.0.1", 5001)
-    c.owe(p, ("a" * 32, "t" * 32), now=0.0, link_s=0.5)
+    c.owe(p, ("a" * 32, "t" * 32), now=0.0, measure=(0.5, 4096))
     c.owe(other, ("b" * 32, "u" * 32), now=0.0)
     for t in (0.2, 0.61, 1.42):  # refused while the session was down: the back-off grows
         assert len(c.due(t)) == 2
     assert c.next_time() == pytest.approx(3.02)
     c.resume(p, now=1.5)
-    assert c.due(1.5) == [(p, ("a" * 32, "t" * 32), 0.5)]  # sent again with its measured link time
+    assert c.due(1.5) == [(p, ("a" * 32, "t" * 32), (0.5, 4096))]  # sent again with its measured link
     assert c.next_time() == pytest.approx(1.9)  # p's back-off restarted (0.2 -> 0.4); the other peer's unchanged
-    assert c.due(1.91) == [(p, ("a" * 32, "t" * 32), 0.5)]
+    assert c.due(1.91) == [(p, ("a" * 32, "t" * 32), (0.5, 4096))]
     c.ack(p, "a" * 32)
-    assert c.due(3.05) == [(other, ("b" * 32, "u" * 32), 0.0)]
+    assert c.due(3.05) == [(other, ("b" * 32, "u" * 32), (0.0, 0))]
