@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -212,3 +213,23 @@ def test_pipelined_targets_compare_flows_side_by_side() -> None:
     by = {(c["regime"], c["metric"]): c["pass"] for c in e2e.evaluate_targets(rows, [0.5, 2.0, 10.0])}
     assert by[("slow", "sequential int8 TTFT / pipelined speculative TTFT")] is False  # 1.6
     assert by[("slow", "pipelined speculative TTFT / pipelined int4 TTFT")] is False
+
+
+def test_run_rate_runs_no_cell_where_the_rate_has_no_concurrency_level(monkeypatch) -> None:
+    """`--conc-ratios` leaves a paced rate without a concurrency > 1 level (``levels == []``): that rate measures
+    its prefill and runs nothing; before, an empty list fell back to every level (cells the progress did not
+    count: "[11/10 ... eta -32s]")."""
+    from lynx_connector.lab.bench.e2e import measure
+    from lynx_connector.lab.bench.e2e.plan import Plan
+
+    monkeypatch.setattr(measure, "measure_prefills", lambda *a, **k: {1024: 3.0})
+
+    def no_request(*a, **k):
+        raise AssertionError("no cell should run")
+
+    monkeypatch.setattr(measure, "one_request", no_request)
+    plan = Plan(["int8"], [1024], 1, [4], 1024, 8)
+    progress = measure.Progress(0)
+    dep = SimpleNamespace(url="http://127.0.0.1:1", flow_urls={"pipelined": "http://127.0.0.1:1"})
+    rows, reqs, prefill = measure.run_rate(dep, "m", "r", 0.1, plan, {}, SHAPE, True, progress, [])
+    assert (rows, reqs, prefill) == ([], [], {1024: 3.0})

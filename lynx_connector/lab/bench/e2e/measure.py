@@ -150,7 +150,7 @@ def run_rate(dep: Any, model: str, label: str, link_gbps: float | None, plan: Pl
     rows: list[dict] = []
     requests: list[dict] = []
     urls = getattr(dep, "flow_urls", None) or {plan.flows[-1]: dep.url}
-    for conc in concurrency or plan.concurrency:
+    for conc in plan.concurrency if concurrency is None else concurrency:  # [] = none here (--conc-ratios)
         for mode in plan.modes:
             if mode == "speculative" and not spec_available:
                 continue
