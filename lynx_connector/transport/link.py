@@ -25,12 +25,18 @@ from lynx_connector.transport.events import ANCHOR, RESIDUAL
 
 logger = init_logger(__name__)
 
-__all__ = ["Addr", "DoneCourier", "Measure", "NO_MEASURE", "PeerLink", "PullState", "Staged"]
+__all__ = ["Addr", "DoneCourier", "Measure", "NO_MEASURE", "PeerLink", "PullState", "Staged", "done_frame"]
 
 Addr = tuple[str, int]
 #: What a Done tells P of the link (protocol v4): (seconds of link time D's reads took, bytes they read).
 Measure = tuple[float, int]
 NO_MEASURE: Measure = (0.0, 0)
+
+
+def done_frame(ticket: tuple[str, str], measure: Measure) -> proto.Done:
+    """The Done of ``ticket`` (transfer id, token), first sent and re-sent alike, with D's measure of the link."""
+    return proto.Done(v=proto.VERSION, transfer_id=ticket[0], token=ticket[1], link_s=measure[0],
+                      link_bytes=measure[1])
 
 HEARTBEAT_IVL_MS = 1000  # zmq-level heartbeats: a dead TCP connection is noticed and re-established by zmq
 HEARTBEAT_TIMEOUT_MS = 3000

@@ -286,7 +286,8 @@ class TransferScheduler:
                 entry.state = state  # the emulated link has not delivered it yet
                 continue
             settled.append((entry, state))
-        self._account(now)
+        if settled:  # the shares stay constant until the set in flight changes: account only before it does
+            self._account(now)
         # Chunks found settled in one pass completed in no order we can know (UCX does not order READ
         # completions); settle anchors first, so that when both streams of a request finish in one pass the
         # anchor's event comes first, as the priority order promises.

@@ -39,7 +39,16 @@ from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.events import ANCHOR, TransferEvent
 from lynx_connector.transport.first_token import FirstTokenFollower
-from lynx_connector.transport.link import NO_MEASURE, Addr, DoneCourier, Measure, PeerLink, PullState, Staged
+from lynx_connector.transport.link import (
+    NO_MEASURE,
+    Addr,
+    DoneCourier,
+    Measure,
+    PeerLink,
+    PullState,
+    Staged,
+    done_frame,
+)
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
 from lynx_connector.transport.pool import StagingPool
 from lynx_connector.transport.ranking import PULL_ORDERS, SPLIT, PullOrder
@@ -358,8 +367,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         if peer is None and connect:
             peer = self._connect(addr)  # sent once the session is up
         if peer is not None:
-            peer.send(proto.Done(v=proto.VERSION, transfer_id=ticket[0], token=ticket[1], link_s=measure[0],
-                                 link_bytes=measure[1]))
+            peer.send(done_frame(ticket, measure))
 
     def _forget(self, req_id: str) -> None:
         with self._ev_lock:

@@ -12,7 +12,7 @@ from typing import Any
 
 from lynx_connector.logger import init_logger
 from lynx_connector.transport import protocol as proto
-from lynx_connector.transport.link import PeerLink, PullState
+from lynx_connector.transport.link import PeerLink, PullState, done_frame
 
 logger = init_logger(__name__)
 
@@ -81,9 +81,9 @@ class ControlTimers:
                 timers.append(pull.retry_at)
             if pull.sent_at is not None:
                 timers.append(pull.sent_at + cfg.resend_s)
-        for addr, (tid, token), (link_s, link_bytes) in self._courier.due(now):  # Dones P has not acknowledged
-            peer = self._peers.get(addr) or self._connect(addr)  # sent once the session is up
-            peer.send(proto.Done(v=proto.VERSION, transfer_id=tid, token=token, link_s=link_s, link_bytes=link_bytes))
+        for addr, ticket, measure in self._courier.due(now):  # Dones P has not acknowledged yet
+            peer = self._peers.get(addr) or self._connect(addr)
+            peer.send(done_frame(ticket, measure))  # sent once the session is up
         nxt = self._courier.next_time()
         if nxt is not None:
             timers.append(nxt)
