@@ -21,6 +21,7 @@ margin is below the threshold).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 
@@ -44,12 +45,34 @@ def gate_outcome(div: int, margins: list[float], tau: float, cap: int) -> tuple[
     return held, min(held, div - 1)
 
 
-def calibrate_gate(prompts: list, refs: list[list[int]], decode, tokens: int) -> int:
-    divs, margins = [], []
+def margin_on(logits: torch.Tensor, ids: tuple[int, int]) -> float:
+    """``logits[ids[0]] - logits[ids[1]]``: a position's margin measured on given token ids."""
+    return float(logits[ids[0]] - logits[ids[1]])
+
+
+def calibrate_gate(prompts: list, refs: list[list[int]], decode, tokens: int, exact=None,
+                   dump: str | None = None) -> int:
+    """The threshold table; with ``exact`` (the exact decode, returning each position's logits) and ``dump``, also
+    a JSON per prompt of what an adaptive gate could use: the anchor's and the exact path's margins, and the
+    anchor's error on the exact top-two ids at every position before the first difference (position 0 is the
+    first token, which P computes at full precision)."""
+    divs, margins, rows = [], [], []
     for p, ref in zip(prompts, refs, strict=True):
         m: list[float] = []
-        divs.append(first_difference(decode(p.token_ids, m), ref))
+        a_logits: list[torch.Tensor] | None = [] if dump else None
+        divs.append(first_difference(decode(p.token_ids, m, a_logits), ref))
         margins.append(m)
+        if dump and exact is not None and a_logits is not None:
+            e_logits: list[torch.Tensor] = []
+            exact(p.token_ids, e_logits)
+            top2 = [tuple(int(i) for i in lg.topk(2).indices) for lg in e_logits]
+            rows.append({"seed": p.seed, "first_difference": divs[-1], "anchor_margins": m,
+                         "exact_margins": [margin_on(lg, t) for lg, t in zip(e_logits, top2, strict=True)],
+                         "anchor_error": [margin_on(a, t) - margin_on(e, t) for a, e, t in
+                                          zip(a_logits[:divs[-1]], e_logits, top2, strict=False)]})
+    if dump:
+        with open(dump, "w") as f:
+            json.dump({"tokens": tokens, "prompts": rows}, f)
     at_div = [m[d] for d, m in zip(divs, margins, strict=True) if d < tokens]
     before = [x for d, m in zip(divs, margins, strict=True) for x in m[1:d]]
     sys.stdout.write(f"{len(prompts)} prompts, {tokens} tokens; first difference at {divs}\n"
@@ -78,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1024, help="essay tokens per prompt")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens compared")
     ap.add_argument("--margins", action="store_true", help="calibrate the confidence gate (Lynx default grouping)")
+    ap.add_argument("--dump", default=None, help="with --margins: write per-prompt margins and the anchor's margin "
+                    "error to this JSON (input of benchmarks/gate_adapt.py)")
     ap.add_argument("--model", default=None, help="a Hugging Face model directory (default: the prepared SmolLM2)")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
@@ -92,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         return dequantize_ref(p.codes, None, p.scale, p.mn, mode, g)
 
     @torch.no_grad()
-    def greedy(ids: list[int], cfg: tuple | None, margins: list[float] | None = None) -> list[int]:
+    def greedy(ids: list[int], cfg: tuple | None, margins: list[float] | None = None,
+               logits: list[torch.Tensor] | None = None) -> list[int]:
         cache = model(torch.tensor([ids[:-1]]), use_cache=True).past_key_values
         if cfg is not None:
             for layer in cache.layers:
@@ -107,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             out.append(int(top.indices[0]))
             if margins is not None:
                 margins.append(float(top.values[0] - top.values[1]))
+            if logits is not None:
+                logits.append(o.logits[0, -1].clone())
             cur = torch.tensor([[out[-1]]])
         return out
 
@@ -127,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     refs = [greedy(p.token_ids, None) for p in prompts]
     if args.margins:
-        return calibrate_gate(prompts, refs, lambda ids, m: greedy(ids, configs[LYNX_DEFAULT], m), args.tokens)
+        return calibrate_gate(prompts, refs, lambda ids, m, lg: greedy(ids, configs[LYNX_DEFAULT], m, lg),
+                              args.tokens, exact=lambda ids, lg: greedy(ids, None, None, lg), dump=args.dump)
     sys.stdout.write(f"{'anchor grouping':42s} {'bits/value':>10s}  first divergence (of {args.tokens}) per prompt\n")
     for name, cfg in configs.items():
         divs = []
