@@ -31,7 +31,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -49,10 +49,17 @@ class TensorFmt:
     tokens: int = 64
     bits: int = 4
     fp32_meta: bool = False
+    #: symmetric groups: one fp16 scale (absmax / (2^(bits-1) - 1)), no minimum, codes in [-L, L]
+    symmetric: bool = False
+    #: token groups only: this many channels per head (the largest |x| over the prompt) sent at int8 per channel
+    #: instead, the token groups taken over the others
+    outliers: int = 0
 
     def bits_per_value(self, t: int, d: int) -> float:
         groups = t if self.group in ("token", "hadamard") else math.ceil(t / self.tokens) * d
-        return self.bits + 32.0 * groups / (t * d)
+        meta = 16.0 if self.symmetric else 32.0
+        o = self.outliers
+        return (self.bits * (d - o) + 8 * o) / d + meta * groups / (t * d) + 32.0 * o / (t * d)
 
 
 @dataclass(frozen=True)
@@ -64,14 +71,27 @@ class Fmt:
     v: TensorFmt
     sink: int = 0
     notes: str = ""
+    #: layers whose K and V anchors get ``hi_bits`` instead (mixed precision across layers; ``layers`` in all)
+    hi_layers: tuple[int, ...] = ()
+    hi_bits: int = 5
+    layers: int = 30
+
+    def at(self, layer: int) -> tuple[TensorFmt, TensorFmt]:
+        """The K and V formats of one layer."""
+        if layer in self.hi_layers:
+            return replace(self.k, bits=self.hi_bits), replace(self.v, bits=self.hi_bits)
+        return self.k, self.v
 
     def bits(self, t: int = TOKENS_FOR_BITS, d: int = HEAD_DIM) -> float:
         s = min(self.sink, t)
         rest = t - s
-        total = s * d * 2 * (8 + 32.0 / d)
-        for f in (self.k, self.v):
-            total += rest * d * f.bits_per_value(rest, d) if rest else 0.0
-        return total / (2 * t * d)
+        per_layer = []
+        for i in range(self.layers if self.hi_layers else 1):
+            total = s * d * 2 * (8 + 32.0 / d)
+            for f in self.at(i):
+                total += rest * d * f.bits_per_value(rest, d) if rest else 0.0
+            per_layer.append(total / (2 * t * d))
+        return statistics.mean(per_layer)
 
 
 def _hadamard(d: int) -> torch.Tensor:
@@ -89,6 +109,21 @@ def fake_quant(x: torch.Tensor, f: TensorFmt, sink: int = 0) -> tuple[torch.Tens
         a_s, _ = fake_quant(x[:sink], TensorFmt("token", bits=8))
         a_r, f_r = fake_quant(x[sink:], f) if x.shape[0] > sink else (x[:0], x[:0])
         return torch.cat((a_s, a_r)), torch.cat((a_s, f_r))
+    if f.outliers:
+        if f.group != "token":
+            raise ValueError("outlier channels are a token-group option")
+        t, h, d = x.shape
+        order = x.abs().amax(0).argsort(-1, descending=True)  # [H, D]
+        out_idx, keep_idx = order[:, :f.outliers].sort(-1).values, order[:, f.outliers:].sort(-1).values
+        o_x = torch.gather(x, 2, out_idx.expand(t, h, -1))
+        o_a, _ = fake_quant(o_x, TensorFmt("channel", tokens=t, bits=8))  # int8: the anchor is the whole value
+        k_a, k_f = fake_quant(torch.gather(x, 2, keep_idx.expand(t, h, -1)), TensorFmt(
+            "token", bits=f.bits, fp32_meta=f.fp32_meta, symmetric=f.symmetric))
+        anchor, full = torch.empty_like(x), torch.empty_like(x)
+        for z, kept in ((anchor, k_a), (full, k_f)):
+            z.scatter_(2, out_idx.expand(t, h, -1), o_a)
+            z.scatter_(2, keep_idx.expand(t, h, -1), kept)
+        return anchor, full
     levels, cells = (1 << f.bits) - 1, 1 << (8 - f.bits)
     t = x.shape[0]
     y = x @ _hadamard(x.shape[-1]) if f.group == "hadamard" else x
@@ -100,7 +135,12 @@ def fake_quant(x: torch.Tensor, f: TensorFmt, sink: int = 0) -> tuple[torch.Tens
     else:
         g, dim = y, -1
     lo, hi = g.amin(dim, keepdim=True), g.amax(dim, keepdim=True)
-    if f.fp32_meta:
+    if f.symmetric:  # codes in [-L, L] around 0: the "minimum" is -L scales
+        half = (1 << (f.bits - 1)) - 1
+        amax = torch.maximum(hi, -lo)
+        s = amax / half if f.fp32_meta else round_up_fp16(amax / half).float()
+        mn, levels = -half * s, 2 * half
+    elif f.fp32_meta:
         mn, s = lo, (hi - lo) / levels
     else:
         mn = round_down_fp16(lo).float()
@@ -153,6 +193,16 @@ def candidates() -> list[Fmt]:
         Fmt("K ch/256, V ch/32, fp32 meta", C(256, fp32_meta=True), C(32, fp32_meta=True),
             notes="diagnosis: metadata unrounded"),
         Fmt("5+3: K ch/256, V tok", C(256, bits=5), T(bits=5), notes="over the budget: the 5+3 reference"),
+        Fmt("sym: K ch/64 sym, V tok sym", C(64, symmetric=True), T(symmetric=True)),
+        Fmt("sym: K ch/32 sym, V tok sym", C(32, symmetric=True), T(symmetric=True)),
+        Fmt("sym: K ch/64, V tok sym", C(64), T(symmetric=True)),
+        Fmt("sym: K ch/32 sym, V tok", C(32, symmetric=True), T()),
+        Fmt("outlier: K tok + 1 outlier ch int8, V tok", T(outliers=1), T()),
+        Fmt("outlier: K tok + 2 outlier ch int8, V tok", T(outliers=2), T()),
+        Fmt("mixed: K ch/64, V tok, layers 0-2 at 5 bits", C(64), T(), hi_layers=(0, 1, 2)),
+        Fmt("mixed: K ch/64, V tok, layers 27-29 at 5 bits", C(64), T(), hi_layers=(27, 28, 29)),
+        Fmt("mixed: K ch/64, V tok, layers 0, 10, 20 at 5 bits", C(64), T(), hi_layers=(0, 10, 20)),
+        Fmt("mixed: K ch/64, V tok, layers 13-15 at 5 bits", C(64), T(), hi_layers=(13, 14, 15)),
     ]
 
 
@@ -208,8 +258,8 @@ def probe_attention(module, query, key, value, attention_mask, scaling, dropout=
 # ---- measurements ---------------------------------------------------------------------------------------------
 def quantize_cache(cache, f: Fmt, stats: dict[str, float] | None = None, row: int = 0) -> None:
     """Replace batch row ``row`` of every layer's K and V by the candidate's anchor (``stats``: error sums)."""
-    for layer in cache.layers:
-        for attr, tf in (("keys", f.k), ("values", f.v)):
+    for i, layer in enumerate(cache.layers):
+        for attr, tf in zip(("keys", "values"), f.at(i), strict=True):
             t = getattr(layer, attr)[row]  # [H, T, D]
             x = t.transpose(0, 1).contiguous()
             a, full = fake_quant(x, tf, f.sink)

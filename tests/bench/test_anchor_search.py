@@ -1,0 +1,63 @@
+"""The fake quantizer of benchmarks/anchor_search.py: the codec's twin for its groupings, and the search-only
+options (symmetric groups, int8 outlier channels) within their error bounds and bit counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.anchor_search import Fmt, TensorFmt, fake_quant, self_check
+
+
+def _kv(outlier: int | None = None) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(192, 2, 64, generator=gen) * torch.linspace(0.2, 3.0, 64)
+    if outlier is not None:
+        x[:, :, outlier] *= 40.0
+    return x
+
+
+def test_fake_quant_equals_the_codec_twin() -> None:
+    self_check()  # raises when fake_quant and kernels.groupquant_ref differ
+
+
+@pytest.mark.parametrize("fmt", [TensorFmt("token", symmetric=True), TensorFmt("channel", 64, symmetric=True)])
+def test_symmetric_groups_stay_within_half_a_step(fmt: TensorFmt) -> None:
+    x = _kv()
+    anchor, full = fake_quant(x, fmt)
+    dim = -1 if fmt.group == "token" else 0
+    if fmt.group == "token":
+        amax = x.abs().amax(dim, keepdim=True)
+    else:
+        amax = x.view(-1, 64, *x.shape[1:]).abs().amax(1, keepdim=True).expand(-1, 64, -1, -1).reshape(x.shape)
+    step = amax / 7  # 4 bits: codes -7..7
+    assert bool(((anchor - x).abs() <= step * 0.5 * 1.01 + 1e-6).all())
+    assert bool(((full - x).abs() <= step / 32 * 1.01 + 1e-6).all())  # 16 residual cells of the step
+    assert fmt.bits_per_value(1024, 64) == pytest.approx(4.25 if fmt.group == "token" else 4 + 16 / 64)
+
+
+def test_outlier_channels_are_sent_at_int8() -> None:
+    x = _kv(outlier=7)
+    plain_a, _ = fake_quant(x, TensorFmt("token"))
+    anchor, full = fake_quant(x, TensorFmt("token", outliers=1))
+    err = lambda z: float((z - x).pow(2).sum() / x.pow(2).sum())  # noqa: E731
+    assert err(anchor) < 0.2 * err(plain_a)  # the other channels no longer share the outlier's range
+    col = x[:, :, 7]
+    step = (col.amax(0) - col.amin(0)) / 255
+    assert bool(((anchor[:, :, 7] - col).abs() <= step * 0.51 + 1e-5).all())
+    assert torch.equal(anchor[:, :, 7], full[:, :, 7])
+    # 63 channels at 4 bits + 1 at 8, one fp32 (two fp16) of metadata per token and head, and per outlier channel
+    assert TensorFmt("token", outliers=1).bits_per_value(1024, 64) == pytest.approx(
+        (63 * 4 + 8) / 64 + 32 / 64 + 32 / (1024 * 64))
+    assert Fmt("o", TensorFmt("token", outliers=1), TensorFmt("token")).bits() < 4.6
+    with pytest.raises(ValueError, match="token-group"):
+        fake_quant(x, TensorFmt("channel", 64, outliers=1))
+
+
+def test_mixed_layers_give_their_layers_the_higher_bits() -> None:
+    f = Fmt("m", TensorFmt("channel", 64), TensorFmt("token"), hi_layers=(0, 29))
+    assert f.at(0)[0].bits == 5 and f.at(29)[1].bits == 5 and f.at(1) == (f.k, f.v)
+    # two of thirty layers pay one more bit per value
+    assert f.bits() == pytest.approx(4.5 + 2 / 30)
+    x = _kv()
+    assert float((fake_quant(x, f.at(0)[1])[0] - x).abs().max()) < float((fake_quant(x, f.v)[0] - x).abs().max())
