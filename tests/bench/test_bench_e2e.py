@@ -233,3 +233,61 @@ def test_run_rate_runs_no_cell_where_the_rate_has_no_concurrency_level(monkeypat
     dep = SimpleNamespace(url="http://127.0.0.1:1", flow_urls={"pipelined": "http://127.0.0.1:1"})
     rows, reqs, prefill = measure.run_rate(dep, "m", "r", 0.1, plan, {}, SHAPE, True, progress, [])
     assert (rows, reqs, prefill) == ([], [], {1024: 3.0})
+
+
+def test_mode_rounds_rotate_so_no_mode_always_runs_first() -> None:
+    from lynx_connector.lab.bench.e2e.measure import mode_rounds
+
+    modes = ["bf16", "int8", "full", "auto"]
+    rounds = mode_rounds(modes, 5)
+    assert rounds[0] == modes  # one round: today's order
+    assert [r[0] for r in rounds] == ["bf16", "int8", "full", "auto", "bf16"]
+    assert all(sorted(r) == sorted(modes) for r in rounds)
+    assert mode_rounds([], 3) == []
+
+
+def test_run_rate_batches_rotate_modes_and_one_row_covers_every_round(monkeypatch) -> None:
+    """``--batches 3``: each cell's concurrent batch is sent three times, the mode order rotated per round; the row
+    has all 3 x conc requests, D's counter deltas summed over the rounds, and an auto row the choices of all
+    rounds (P's log per round, checked against P's counter)."""
+    from lynx_connector.lab.bench.e2e import choices, measure
+    from lynx_connector.lab.bench.e2e.plan import Plan
+
+    sent: list[tuple[str, int]] = []
+    counters = {"anchor_bytes": 0.0, "residual_bytes": 0.0}
+    auto_counter: dict[tuple[str, str], float] = {}
+    log_lines: list[str] = []
+
+    def fake_request(url, model, prompt, mode, max_tokens):
+        rid = f"r{len(sent)}"
+        sent.append((mode, prompt))
+        counters["anchor_bytes"] += 100.0
+        if mode == "auto":
+            auto_counter[("speculative", "slow_link")] = auto_counter.get(("speculative", "slow_link"), 0) + 1
+            log_lines.append(f"Request cmpl-{rid}-0-ab: auto chose speculative (slow_link)")
+        return {"mode": mode, "request_id": rid, "prompt_tokens": 1024, "ttft_s": 1.0 + len(sent) / 100,
+                "tt32_s": 2.0, "tt64_s": 3.0, "tokens": 64, "total_s": 3.0, "error": None, "needle_found": None,
+                "text_sha1": "x"}
+
+    monkeypatch.setattr(measure, "measure_prefills", lambda *a, **k: {1024: 0.5})
+    monkeypatch.setattr(measure, "one_request", fake_request)
+    monkeypatch.setattr(measure, "scrape_counters", lambda url: dict(counters))
+    monkeypatch.setattr(choices, "scrape_flows", lambda url: {"pipelined": len(sent)})
+    monkeypatch.setattr(choices, "scrape_auto_choices", lambda url: dict(auto_counter))
+    monkeypatch.setattr(choices, "log_size", lambda path: len(log_lines))
+    monkeypatch.setattr(choices, "read_log", lambda path, at: "\n".join(log_lines[at:]))
+    plan = Plan(["int8", "full", "auto"], [1024], 1, [2], 1024, 8, flows=("pipelined",), batches=3)
+    dep = SimpleNamespace(url="u", flow_urls={"pipelined": "u"}, decode=SimpleNamespace(url="d"),
+                          prefill=SimpleNamespace(url="p", log_path=Path("p.log")))
+    prompts = {1024: [SimpleNamespace(token_ids=[0] * 1024, seed=i, depth=None, answer=None) for i in range(2)]}
+    rows, reqs, _ = measure.run_rate(dep, "m", "r", 1.0, plan, prompts, SHAPE, True, measure.Progress(9))
+    order = [m for m, _ in sent[::2]]  # one entry per batch of two
+    assert order == ["int8", "full", "auto", "full", "auto", "int8", "auto", "int8", "full"]
+    assert [r["mode"] for r in rows] == ["int8", "full", "auto"]
+    assert all(r["n"] == 6 and r["batches"] == 3 for r in rows)
+    assert len(reqs) == 18
+    assert rows[0]["wire_bytes_measured"] == 100  # 600 bytes over the rounds / 6 requests
+    assert rows[0]["flow_used"] == {"pipelined": 6}
+    auto = rows[2]
+    assert auto["chosen"] == {"speculative": 6} and auto["chosen_source"] == "p_log"
+    assert all(r["auto_mode"] == "speculative" for r in reqs if r["mode"] == "auto")

@@ -79,7 +79,9 @@ def e2e_markdown(result: dict[str, Any]) -> str:
            f"greedy tokens per request (EOS ignored), prompts: "
            f"{TASK_LABEL.get(cfg.get('task', 'needle'), cfg.get('task'))}. {result.get('bf16_note', '')}. Speculative mode: "
            f"{'available' if result.get('speculative', {}).get('available') else 'NOT AVAILABLE'} "
-           f"({result.get('speculative', {}).get('note')}).\n",
+           f"({result.get('speculative', {}).get('note')})."
+           + (f" {cfg['batches']} rounds per cell, the mode order rotated by one between rounds; each row covers "
+              "all of them." if cfg.get("batches", 1) > 1 else "") + "\n",
            environment_md(result), "\n### Link rates\n"]
     dep_rows = []
     for d in result.get("deployments", []):

@@ -108,11 +108,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("auto with several --link-gbps: P would keep the first rate configured for its choices; "
                          "run one rate per invocation, or the calibrated schedule (P then measures the link)")
     needs_spec = "speculative" in modes or AUTO_MODE in modes
+    if args.batches < 1:
+        raise SystemExit(f"--batches must be >= 1, got {args.batches}")
     if args.token_budget is not None and args.token_budget < 0:
         raise SystemExit(f"--token-budget must be >= 0, got {args.token_budget}")
     plan = Plan(modes, lengths, repeats, conc, conc_length, args.max_tokens, args.cache_dtype, max_len,
                 tuple(shlex.split(args.serve_args or "")), p_cpus or None, d_cpus or None, args.spec_min_margin,
-                flows)
+                flows, batches=args.batches)
     model = args.model or str(prepare())
     shape = model_shape(model)
     tok = AutoTokenizer.from_pretrained(model)
@@ -143,10 +145,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n_first = len(schedule) if explicit or quick or args.unpaced_runs else 0
     n_paced = 0 if explicit or quick else len(ratios)
     n_paced_conc = n_paced if conc_ratios is None or not n_paced else sum(1 for r in ratios if r in conc_ratios)
-    progress = Progress((cells_c1 + cells_cn) * n_first + cells_c1 * n_paced + cells_cn * n_paced_conc)
+    progress = Progress(((cells_c1 + cells_cn) * n_first + cells_c1 * n_paced + cells_cn * n_paced_conc)
+                        * args.batches)
     write(f"lynx bench e2e: {Path(model).name} fp32 on CPU; modes {', '.join(modes)}; prompts {lengths} tokens "
            f"x {repeats} at concurrency 1, {conc_length} tokens at concurrency {[c for c in conc if c > 1]}; "
-           f"{args.max_tokens} tokens each; logs in {log_dir}")
+           f"{args.max_tokens} tokens each"
+          + (f"; {args.batches} rounds per cell, the mode order rotated" if args.batches > 1 else "")
+          + f"; logs in {log_dir}")
     rows: list[dict] = []
     requests: list[dict] = []
     deployments: list[dict] = []
@@ -235,8 +240,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cache_dtype": plan.cache_dtype,
         "bf16_note": f"bf16 mode = passthrough of the cache dtype ({plan.cache_dtype}: "
                      f"{8 * (4 if plan.cache_dtype == 'float32' else 2)} bits/value)",
-        "config": {"modes": modes, "lengths": lengths, "repeats": repeats, "concurrency": conc,
-                   "conc_length": conc_length, "max_tokens": args.max_tokens, "ratios": ratios,
+        "config": {"modes": modes, "lengths": lengths, "repeats": repeats, "batches": args.batches,
+                   "concurrency": conc, "conc_length": conc_length, "max_tokens": args.max_tokens, "ratios": ratios,
                    "ref_tokens": ref_tokens, "explicit_link_gbps": explicit, "conc_ratios": conc_ratios,
                    "task": args.task, "ignore_eos": True,
                    "temperature": 0.0, "max_model_len": max_len, "serve_args": list(plan.serve_args),
@@ -283,6 +288,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--lengths", default=None, help=f"concurrency-1 prompt lengths (default {DEFAULT_LENGTHS})")
     p.add_argument("--repeats", type=int, default=None, help="requests per mode and length at concurrency 1 "
                    f"(default {DEFAULT_REPEATS})")
+    p.add_argument("--batches", type=int, default=1, help="rounds per cell: every cell's requests (its concurrent "
+                   "batch, or its --repeats requests at concurrency 1) are sent this many times, the mode order "
+                   "rotated by one between rounds so that no mode always runs first or after the same neighbour; "
+                   "each row covers all rounds (default 1)")
     p.add_argument("--concurrency", default=None, help="comma-separated concurrency levels (default 1,4)")
     p.add_argument("--conc-length", type=int, default=None, help="prompt length of the concurrent batches")
     p.add_argument("--conc-ratios", default=None, help="run concurrency > 1 only at these ratios (default "

@@ -140,70 +140,131 @@ class Progress:
         write(f"[{self.done}/{self.total} {el:5.0f}s eta {eta:4.0f}s] {what}")
 
 
+def mode_rounds(modes: list[str], batches: int) -> list[list[str]]:
+    """The order of the modes in each of ``batches`` rounds: rotated by one per round, so that no mode always runs
+    right after a deployment's warm-up or a switch from the same neighbour (``--batches``)."""
+    return [modes[b % len(modes):] + modes[:b % len(modes)] for b in range(batches)] if modes else []
+
+
+def _run_batch(dep: Any, url: str, model: str, mode: str, batch: list[Any], conc: int,
+               plan: Plan) -> dict[str, Any]:
+    """One batch of a cell: its requests (one after another at concurrency 1, all at once above) and what D's and
+    P's counters, the proxy's flow counts and, for ``auto``, P's choices say about it."""
+    before, before_p = scrape_counters(dep.decode.url), scrape_counters(dep.prefill.url)
+    flows_before = choices.scrape_flows(url)
+    auto_before = choices.scrape_auto_choices(dep.prefill.url) if mode == AUTO_MODE else None
+    log_at = choices.log_size(dep.prefill.log_path)
+    if conc == 1:
+        got = [one_request(url, model, pr, mode, plan.max_tokens) for pr in batch]
+    else:
+        with ThreadPoolExecutor(max_workers=conc) as pool:
+            got = list(pool.map(lambda pr: one_request(url, model, pr, mode, plan.max_tokens), batch))
+    out: dict[str, Any] = {
+        "got": got,
+        "delta": merge_p_delta(counter_delta(before, scrape_counters(dep.decode.url)),
+                               counter_delta(before_p, scrape_counters(dep.prefill.url))),
+        "flow_used": choices.flow_delta(flows_before, choices.scrape_flows(url))}
+    if mode == AUTO_MODE:
+        out["auto_delta"], out["auto_source"] = _auto_attribution(
+            got, dep.prefill.log_path, log_at, auto_before, choices.scrape_auto_choices(dep.prefill.url))
+    return out
+
+
+def _merge_batches(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A cell's batches as one: requests in order, counter deltas and flow counts summed, P's choices summed (None
+    when any batch could not read them) with the weakest attribution source of any batch."""
+    got = [r for part in parts for r in part["got"]]
+    delta: dict[str, float] = {}
+    for part in parts:
+        for k, v in part["delta"].items():
+            delta[k] = delta.get(k, 0.0) + v
+    flows: dict[str, int] | None = {}
+    for part in parts:
+        if part["flow_used"] is None:
+            flows = None
+            break
+        for k, v in part["flow_used"].items():
+            flows[k] = flows.get(k, 0) + v
+    out: dict[str, Any] = {"got": got, "delta": delta, "flow_used": flows}
+    if "auto_source" in parts[0]:
+        auto_delta: dict[tuple[str, str], int] | None = {}
+        for part in parts:
+            if part["auto_delta"] is None:
+                auto_delta = None
+                break
+            for k, v in part["auto_delta"].items():
+                auto_delta[k] = auto_delta.get(k, 0) + v
+        rank = ("p_log", "p_metrics", "unresolved")
+        source = max((part["auto_source"] for part in parts), key=rank.index)
+        out["auto"] = {**choices.summarize_choices(got, auto_delta), "chosen_source": source}
+    return out
+
+
 def run_rate(dep: Any, model: str, label: str, link_gbps: float | None, plan: Plan, prompts: dict[int, list[Any]],
              shape: ModelShape, spec_available: bool, progress: Progress,
              concurrency: list[int] | None = None) -> tuple[list[dict], list[dict], dict]:
-    """Every (concurrency, mode) cell on one deployment. Returns (rows, requests, prefill times)."""
+    """Every (concurrency, mode) cell on one deployment, ``plan.batches`` rounds each, the modes in a rotated order
+    per round (:func:`mode_rounds`); a cell's row summarizes all its rounds. Returns (rows, requests, prefill
+    times)."""
     if progress.done == 0:  # the ETA counts request time, not server start-up
         progress.t0 = time.perf_counter()
     prefill = measure_prefills(dep, model, label, prompts)
     rows: list[dict] = []
     requests: list[dict] = []
     urls = getattr(dep, "flow_urls", None) or {plan.flows[-1]: dep.url}
+    modes = [m for m in plan.modes if m != "speculative" or spec_available]
+    batches = max(1, plan.batches)
     for conc in plan.concurrency if concurrency is None else concurrency:  # [] = none here (--conc-ratios)
-        for mode in plan.modes:
-            if mode == "speculative" and not spec_available:
-                continue
-            lengths = plan.lengths if conc == 1 else [plan.conc_length]
+        lengths = plan.lengths if conc == 1 else [plan.conc_length]
+        parts: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+        for b, order in enumerate(mode_rounds(modes, batches)):
+            for mode in order:
+                for n in lengths:
+                    for flow in plan.flows:  # side by side: the same cell through each flow's proxy
+                        batch = prompts[n][: plan.repeats] if conc == 1 else prompts[n][:conc]
+                        part = _run_batch(dep, urls[flow], model, mode, batch, conc, plan)
+                        parts.setdefault((mode, n, flow), []).append(part)
+                        ttfts = sorted(r["ttft_s"] for r in part["got"] if r["ttft_s"] is not None)
+                        progress.step(f"{label} conc {conc} {mode:<11} {n:>5} tok {flow:<10}"
+                                      + (f" batch {b + 1}/{batches}" if batches > 1 else "") + ": TTFT "
+                                      + fmt(ttfts[len(ttfts) // 2] if ttfts else None) + " s")
+        for mode in modes:
             for n in lengths:
-                for flow in plan.flows:  # side by side: the same cell through each flow's proxy
-                    url = urls[flow]
-                    before, before_p = scrape_counters(dep.decode.url), scrape_counters(dep.prefill.url)
-                    flows_before = choices.scrape_flows(url)
-                    auto_before = choices.scrape_auto_choices(dep.prefill.url) if mode == AUTO_MODE else None
-                    log_at = choices.log_size(dep.prefill.log_path)
-                    got: list[dict] = []
-                    if conc == 1:
-                        for pr in prompts[n][: plan.repeats]:
-                            got.append(one_request(url, model, pr, mode, plan.max_tokens))
-                    else:
-                        batch = prompts[n][:conc]
-                        with ThreadPoolExecutor(max_workers=conc) as pool:
-                            got = list(pool.map(lambda pr, m=mode, u=url: one_request(u, model, pr, m,
-                                                                                        plan.max_tokens), batch))
-                    delta = merge_p_delta(counter_delta(before, scrape_counters(dep.decode.url)),
-                                          counter_delta(before_p, scrape_counters(dep.prefill.url)))
-                    flow_used = choices.flow_delta(flows_before, choices.scrape_flows(url))
+                for flow in plan.flows:
+                    cell = _merge_batches(parts[(mode, n, flow)])
+                    got = cell["got"]
                     for r in got:
                         r.update(link_gbps=link_gbps, concurrency=conc, rate_label=label, nominal_tokens=n, flow=flow)
-                    auto = None
-                    if mode == AUTO_MODE:
-                        auto = attribute_auto(got, dep.prefill.log_path, log_at, auto_before,
-                                              choices.scrape_auto_choices(dep.prefill.url))
                     requests.extend(got)
-                    row = summarize_cell(got, mode, n, conc, link_gbps, label, prefill[n], shape, delta,
+                    row = summarize_cell(got, mode, n, conc, link_gbps, label, prefill[n], shape, cell["delta"],
                                          plan.cache_dtype)
-                    row["flow"] = flow
-                    row["flow_used"] = flow_used
-                    if auto is not None:
-                        row.update(auto)
+                    row.update(flow=flow, flow_used=cell["flow_used"], batches=batches)
+                    if "auto" in cell:
+                        row.update(cell["auto"])
                     rows.append(row)
                     chose = (" chose " + ", ".join(f"{m} {k}" for m, k in row["chosen"].items())
-                             if auto is not None else "")
-                    progress.step(f"{label} conc {conc} {mode:<11} {n:>5} tok {flow:<10}: TTFT "
-                                  f"{fmt(row['ttft_s_median'])} s (limit {fmt(row['limit_ttft_s'])} s), TT64T "
-                                  f"{fmt(row['tt64_s_median'])} s" + (f", {row['errors']} errors" if row["errors"]
-                                                                       else "") + chose)
+                             if "auto" in cell else "")
+                    write(f"  {label} conc {conc} {mode:<11} {n:>5} tok {flow:<10}: TTFT "
+                          f"{fmt(row['ttft_s_median'])} s (limit {fmt(row['limit_ttft_s'])} s), TT64T "
+                          f"{fmt(row['tt64_s_median'])} s" + (f", {row['errors']} errors" if row["errors"] else "")
+                          + chose)
     return rows, requests, prefill
+
+
+def _auto_attribution(got: list[dict], p_log: Path, log_at: int, before: choices.Choices | None,
+                      after: choices.Choices | None) -> tuple[dict[tuple[str, str], int] | None, str]:
+    """P's choices over a batch (counter delta) and their attribution to its requests (sets ``auto_mode`` /
+    ``auto_reason``): (delta, source)."""
+    delta = choices.choice_delta(before, after)
+    logged = choices.parse_choice_log(choices.read_log(p_log, log_at), [r["request_id"] for r in got])
+    return delta, choices.attribute(got, logged, delta)
 
 
 def attribute_auto(got: list[dict], p_log: Path, log_at: int, before: choices.Choices | None,
                    after: choices.Choices | None) -> dict[str, Any]:
     """Each auto request's mode and reason (``auto_mode`` / ``auto_reason``: P's log, checked against P's
     counter) and the row's ``chosen``, ``chosen_reasons`` and ``chosen_source``."""
-    delta = choices.choice_delta(before, after)
-    logged = choices.parse_choice_log(choices.read_log(p_log, log_at), [r["request_id"] for r in got])
-    source = choices.attribute(got, logged, delta)
+    delta, source = _auto_attribution(got, p_log, log_at, before, after)
     return {**choices.summarize_choices(got, delta), "chosen_source": source}
 
 

@@ -160,6 +160,8 @@ class Plan:
     flows: tuple[str, ...] = ("sequential", "pipelined")
     #: P's auto_speculative (None: auto not run): D runs the speculative scheduler.
     auto_speculative: bool | None = None
+    #: Rounds per cell, the mode order rotated by one between rounds (``--batches``); a row covers all of them.
+    batches: int = 1
 
 
 def build_prompts(tok: Any, lengths: list[int], count: int, task: str = "summary") -> dict[int, list[Any]]:
