@@ -170,33 +170,28 @@ def _run_batch(dep: Any, url: str, model: str, mode: str, batch: list[Any], conc
     return out
 
 
+def _sum_counts(counts: list[dict[Any, Any] | None]) -> dict[Any, Any] | None:
+    """Per-key sums of several rounds' counts; None when any round could not read them."""
+    if any(c is None for c in counts):
+        return None
+    out: dict[Any, Any] = {}
+    for c in counts:
+        for k, v in c.items():  # type: ignore[union-attr]
+            out[k] = out.get(k, 0) + v
+    return out
+
+
 def _merge_batches(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """A cell's batches as one: requests in order, counter deltas and flow counts summed, P's choices summed (None
     when any batch could not read them) with the weakest attribution source of any batch."""
     got = [r for part in parts for r in part["got"]]
-    delta: dict[str, float] = {}
-    for part in parts:
-        for k, v in part["delta"].items():
-            delta[k] = delta.get(k, 0.0) + v
-    flows: dict[str, int] | None = {}
-    for part in parts:
-        if part["flow_used"] is None:
-            flows = None
-            break
-        for k, v in part["flow_used"].items():
-            flows[k] = flows.get(k, 0) + v
-    out: dict[str, Any] = {"got": got, "delta": delta, "flow_used": flows}
+    out: dict[str, Any] = {"got": got, "delta": _sum_counts([part["delta"] for part in parts]),
+                           "flow_used": _sum_counts([part["flow_used"] for part in parts])}
     if "auto_source" in parts[0]:
-        auto_delta: dict[tuple[str, str], int] | None = {}
-        for part in parts:
-            if part["auto_delta"] is None:
-                auto_delta = None
-                break
-            for k, v in part["auto_delta"].items():
-                auto_delta[k] = auto_delta.get(k, 0) + v
         rank = ("p_log", "p_metrics", "unresolved")
         source = max((part["auto_source"] for part in parts), key=rank.index)
-        out["auto"] = {**choices.summarize_choices(got, auto_delta), "chosen_source": source}
+        out["auto"] = {**choices.summarize_choices(got, _sum_counts([part["auto_delta"] for part in parts])),
+                       "chosen_source": source}
     return out
 
 
@@ -224,10 +219,10 @@ def run_rate(dep: Any, model: str, label: str, link_gbps: float | None, plan: Pl
                         batch = prompts[n][: plan.repeats] if conc == 1 else prompts[n][:conc]
                         part = _run_batch(dep, urls[flow], model, mode, batch, conc, plan)
                         parts.setdefault((mode, n, flow), []).append(part)
-                        ttfts = sorted(r["ttft_s"] for r in part["got"] if r["ttft_s"] is not None)
+                        ttfts = [r["ttft_s"] for r in part["got"] if r["error"] is None and r["ttft_s"] is not None]
                         progress.step(f"{label} conc {conc} {mode:<11} {n:>5} tok {flow:<10}"
                                       + (f" batch {b + 1}/{batches}" if batches > 1 else "") + ": TTFT "
-                                      + fmt(ttfts[len(ttfts) // 2] if ttfts else None) + " s")
+                                      + fmt(quantile(ttfts, 0.5)) + " s median")
         for mode in modes:
             for n in lengths:
                 for flow in plan.flows:
