@@ -75,6 +75,9 @@ class Fmt:
     hi_layers: tuple[int, ...] = ()
     hi_bits: int = 5
     layers: int = 30
+    #: layers whose residual has landed too (D's KV part-way through the residual: not a wire format, the state a
+    #: re-draft would decode on; they count anchor + residual bits)
+    full_layers: tuple[int, ...] = ()
 
     def at(self, layer: int) -> tuple[TensorFmt, TensorFmt]:
         """The K and V formats of one layer."""
@@ -86,10 +89,11 @@ class Fmt:
         s = min(self.sink, t)
         rest = t - s
         per_layer = []
-        for i in range(self.layers if self.hi_layers else 1):
+        for i in range(self.layers if self.hi_layers or self.full_layers else 1):
             total = s * d * 2 * (8 + 32.0 / d)
             for f in self.at(i):
-                total += rest * d * f.bits_per_value(rest, d) if rest else 0.0
+                residual = 8 - f.bits if i in self.full_layers else 0
+                total += rest * d * (f.bits_per_value(rest, d) + residual) if rest else 0.0
             per_layer.append(total / (2 * t * d))
         return statistics.mean(per_layer)
 
@@ -203,6 +207,9 @@ def candidates() -> list[Fmt]:
         Fmt("mixed: K ch/64, V tok, layers 27-29 at 5 bits", C(64), T(), hi_layers=(27, 28, 29)),
         Fmt("mixed: K ch/64, V tok, layers 0, 10, 20 at 5 bits", C(64), T(), hi_layers=(0, 10, 20)),
         Fmt("mixed: K ch/64, V tok, layers 13-15 at 5 bits", C(64), T(), hi_layers=(13, 14, 15)),
+        *(Fmt(f"progressive: default, residual of layers {lo}-{hi - 1} landed", C(64), T(),
+              full_layers=tuple(range(lo, hi)), notes="D's KV part-way through the residual: not a wire format")
+          for lo, hi in ((0, 8), (0, 15), (15, 30), (0, 23), (0, 30))),
     ]
 
 
@@ -263,6 +270,8 @@ def quantize_cache(cache, f: Fmt, stats: dict[str, float] | None = None, row: in
             t = getattr(layer, attr)[row]  # [H, T, D]
             x = t.transpose(0, 1).contiguous()
             a, full = fake_quant(x, tf, f.sink)
+            if i in f.full_layers:
+                a = full
             if stats is not None:
                 tag = attr[0]
                 x64 = x.double()

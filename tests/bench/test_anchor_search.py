@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.anchor_search import Fmt, TensorFmt, fake_quant, self_check
+from benchmarks.anchor_search import Fmt, TensorFmt, fake_quant, quantize_cache, self_check
 
 
 def _kv(outlier: int | None = None) -> torch.Tensor:
@@ -61,3 +61,24 @@ def test_mixed_layers_give_their_layers_the_higher_bits() -> None:
     assert f.bits() == pytest.approx(4.5 + 2 / 30)
     x = _kv()
     assert float((fake_quant(x, f.at(0)[1])[0] - x).abs().max()) < float((fake_quant(x, f.v)[0] - x).abs().max())
+
+
+def test_progressive_layers_decode_on_anchor_plus_residual_and_count_its_bits() -> None:
+    """A ``full_layers`` candidate (the residual of some layers landed) puts the full reconstruction into those
+    layers' cache and the anchor elsewhere, and counts 4 more bits/value for each landed layer."""
+    from types import SimpleNamespace
+
+
+    base = Fmt("b", TensorFmt("channel", 64), TensorFmt("token"))
+    half = Fmt("p", TensorFmt("channel", 64), TensorFmt("token"), full_layers=tuple(range(15)))
+    assert half.bits() == pytest.approx(base.bits() + 2.0)
+    g = torch.Generator().manual_seed(0)
+    layers = [SimpleNamespace(keys=torch.randn(1, 2, 128, 64, generator=g),
+                              values=torch.randn(1, 2, 128, 64, generator=g)) for _ in range(30)]
+    exact = [(lay.keys.clone(), lay.values.clone()) for lay in layers]
+    quantize_cache(SimpleNamespace(layers=layers), half)
+
+    def err(i: int) -> float:
+        return float((layers[i].values - exact[i][1]).pow(2).mean() / exact[i][1].pow(2).mean())
+
+    assert err(0) < 1e-4 < 1e-3 < err(29)  # full precision (~8.5 bits) where landed, the 4-bit anchor elsewhere
