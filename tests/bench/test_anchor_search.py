@@ -3,6 +3,8 @@ options (symmetric groups, int8 outlier channels) within their error bounds and 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -66,9 +68,6 @@ def test_mixed_layers_give_their_layers_the_higher_bits() -> None:
 def test_progressive_layers_decode_on_anchor_plus_residual_and_count_its_bits() -> None:
     """A ``full_layers`` candidate (the residual of some layers landed) puts the full reconstruction into those
     layers' cache and the anchor elsewhere, and counts 4 more bits/value for each landed layer."""
-    from types import SimpleNamespace
-
-
     base = Fmt("b", TensorFmt("channel", 64), TensorFmt("token"))
     half = Fmt("p", TensorFmt("channel", 64), TensorFmt("token"), full_layers=tuple(range(15)))
     assert half.bits() == pytest.approx(base.bits() + 2.0)

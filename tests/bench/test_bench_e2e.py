@@ -253,7 +253,7 @@ def test_run_rate_batches_rotate_modes_and_one_row_covers_every_round(monkeypatc
     from lynx_connector.lab.bench.e2e import choices, measure
     from lynx_connector.lab.bench.e2e.plan import Plan
 
-    sent: list[tuple[str, int]] = []
+    sent: list[tuple[str, object]] = []
     counters = {"anchor_bytes": 0.0, "residual_bytes": 0.0}
     auto_counter: dict[tuple[str, str], float] = {}
     log_lines: list[str] = []

@@ -61,9 +61,10 @@ def test_attribution_from_the_log_checked_against_the_counter(tmp_path) -> None:
     reqs = [_req("a"), _req("b", seed=2)]
     before = {("speculative", "slow_link"): 5.0}
     after = {("speculative", "slow_link"): 6.0, ("full", "slow_link_no_speculation"): 1.0}
-    out = attribute_auto(reqs, log, at, before, after)
-    assert out == {"chosen": {"speculative": 1, "full": 1},
-                   "chosen_reasons": {"slow_link": 1, "slow_link_no_speculation": 1}, "chosen_source": "p_log"}
+    delta, source = attribute_auto(reqs, log, at, before, after)
+    assert source == "p_log"
+    assert choices.summarize_choices(reqs, delta) == {"chosen": {"speculative": 1, "full": 1},
+                                                      "chosen_reasons": {"slow_link": 1, "slow_link_no_speculation": 1}}
     assert [(r["auto_mode"], r["auto_reason"]) for r in reqs] == [("speculative", "slow_link"),
                                                                   ("full", "slow_link_no_speculation")]
     assert request_modes(reqs, "auto") == ["speculative", "full"] and request_modes(reqs, "int8") == ["int8"] * 2

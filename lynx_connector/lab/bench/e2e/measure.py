@@ -165,7 +165,7 @@ def _run_batch(dep: Any, url: str, model: str, mode: str, batch: list[Any], conc
                                counter_delta(before_p, scrape_counters(dep.prefill.url))),
         "flow_used": choices.flow_delta(flows_before, choices.scrape_flows(url))}
     if mode == AUTO_MODE:
-        out["auto_delta"], out["auto_source"] = _auto_attribution(
+        out["auto_delta"], out["auto_source"] = attribute_auto(
             got, dep.prefill.log_path, log_at, auto_before, choices.scrape_auto_choices(dep.prefill.url))
     return out
 
@@ -246,21 +246,15 @@ def run_rate(dep: Any, model: str, label: str, link_gbps: float | None, plan: Pl
     return rows, requests, prefill
 
 
-def _auto_attribution(got: list[dict], p_log: Path, log_at: int, before: choices.Choices | None,
-                      after: choices.Choices | None) -> tuple[dict[tuple[str, str], int] | None, str]:
-    """P's choices over a batch (counter delta) and their attribution to its requests (sets ``auto_mode`` /
-    ``auto_reason``): (delta, source)."""
+def attribute_auto(got: list[dict], p_log: Path, log_at: int, before: choices.Choices | None,
+                   after: choices.Choices | None) -> tuple[dict[tuple[str, str], int] | None, str]:
+    """P's choices over one round of an auto cell (its counter's delta, None when unread) and their attribution to
+    the round's requests (sets ``auto_mode`` / ``auto_reason``: P's log, checked against the counter): (delta,
+    source). :func:`_merge_batches` turns the rounds into the row's ``chosen``, ``chosen_reasons`` and
+    ``chosen_source``."""
     delta = choices.choice_delta(before, after)
     logged = choices.parse_choice_log(choices.read_log(p_log, log_at), [r["request_id"] for r in got])
     return delta, choices.attribute(got, logged, delta)
-
-
-def attribute_auto(got: list[dict], p_log: Path, log_at: int, before: choices.Choices | None,
-                   after: choices.Choices | None) -> dict[str, Any]:
-    """Each auto request's mode and reason (``auto_mode`` / ``auto_reason``: P's log, checked against P's
-    counter) and the row's ``chosen``, ``chosen_reasons`` and ``chosen_source``."""
-    delta, source = _auto_attribution(got, p_log, log_at, before, after)
-    return {**choices.summarize_choices(got, delta), "chosen_source": source}
 
 
 def request_modes(got: list[dict], mode: str) -> list[str | None]:
