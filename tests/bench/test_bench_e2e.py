@@ -175,6 +175,22 @@ def test_ideal_at_concurrency_one_is_per_request() -> None:
     assert batch["ideal_ttft_s"] > row["ideal_ttft_s"]
 
 
+def test_ideal_and_limit_of_several_rounds_take_each_round_on_its_own() -> None:
+    """``--batches``: a cell's requests are its rounds one after another; each round's requests were sent at once
+    and the next round only after it, so the ideal (and the limit) restarts the prefill queue and the link per
+    round rather than queueing every round's requests behind each other."""
+    from lynx_connector.lab.bench.e2e.plan import cell_ideals, cell_limits, cell_rounds
+
+    gbps = 8e-9  # one byte per second
+    assert cell_rounds([1, 2, 3, 4, 5, 6], 2, 3) == [[1, 2], [3, 4], [5, 6]]
+    assert cell_rounds([1, 2, 3], 1, 3) == [[1], [2], [3]]  # concurrency 1: every request alone
+    assert cell_ideals(1.0, [1, 1, 1, 1], gbps, 2, 2) == [pytest.approx(t) for t in (2.0, 3.0, 2.0, 3.0)]
+    assert cell_ideals(1.0, [1, 1, 1, 1], gbps, 2) == [pytest.approx(t) for t in (2.0, 3.0, 4.0, 5.0)]
+    assert cell_limits(2.0, [5, 1, 5, 1], gbps, 2, 0.0, 2) == [pytest.approx(t) for t in (5.0, 6.0, 5.0, 6.0)]
+    with pytest.raises(ValueError, match="equal rounds"):
+        cell_rounds([1, 2, 3], 2, 2)
+
+
 def test_kv_config_carries_the_gate_only_when_given() -> None:
     plain = json.loads(e2e.kv_config(0.5))["kv_connector_extra_config"]
     assert plain == {"mode": "full", "link_gbps": 0.5, "allowed_modes": "all"}  # the bench compares every mode
@@ -288,6 +304,9 @@ def test_run_rate_batches_rotate_modes_and_one_row_covers_every_round(monkeypatc
     assert len(reqs) == 18
     assert rows[0]["wire_bytes_measured"] == 100  # 600 bytes over the rounds / 6 requests
     assert rows[0]["flow_used"] == {"pipelined": 6}
+    # each round was sent on its own: the row's ideal is one round's, not that of the 6 requests as one batch
+    one_round = e2e.ideal_ttfts(0.5, [e2e.wire_bytes("int8", 1024, SHAPE)[0]] * 2, 1.0)
+    assert rows[0]["ideal_ttft_s"] == pytest.approx(e2e.quantile(one_round, 0.5))
     auto = rows[2]
     assert auto["chosen"] == {"speculative": 6} and auto["chosen_source"] == "p_log"
     assert all(r["auto_mode"] == "speculative" for r in reqs if r["mode"] == "auto")

@@ -253,7 +253,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "calibration_prefill_s": calib_prefill,
         "deployments": deployments, "rows": rows, "requests": requests,
         "ideal_model": "ideal TTFT = measured prefill on P (requests of a batch one after another) + bytes needed "
-                       "before the first released token / link rate, the link serving requests in order",
+                       "before the first released token / link rate, the link serving requests in order; each "
+                       "round of a cell (--batches) on its own",
         "limit_model": "limit TTFT (pipelined) = max(prefill, bytes needed before the first released token / link "
                        "rate) + one decode step (the cell's median of (TT64T - TT32T) / 32); in a batch, request k's "
                        "bytes may cross the link from the start of its prefill, after the earlier requests' bytes",

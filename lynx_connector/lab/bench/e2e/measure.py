@@ -232,7 +232,7 @@ def run_rate(dep: Any, model: str, label: str, link_gbps: float | None, plan: Pl
                         r.update(link_gbps=link_gbps, concurrency=conc, rate_label=label, nominal_tokens=n, flow=flow)
                     requests.extend(got)
                     row = summarize_cell(got, mode, n, conc, link_gbps, label, prefill[n], shape, cell["delta"],
-                                         plan.cache_dtype)
+                                         plan.cache_dtype, batches)
                     row.update(flow=flow, flow_used=cell["flow_used"], batches=batches)
                     if "auto" in cell:
                         row.update(cell["auto"])
@@ -265,7 +265,7 @@ def request_modes(got: list[dict], mode: str) -> list[str | None]:
 
 def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbps: float | None, label: str,
                    prefill_s: float, shape: ModelShape, delta: dict[str, float],
-                   cache_dtype: str = "float32") -> dict[str, Any]:
+                   cache_dtype: str = "float32", batches: int = 1) -> dict[str, Any]:
     """One cell's row. An ``auto`` cell's bytes, ideal and limit TTFT are those of the mode P chose for each
     request (``auto_mode`` on the requests, :func:`attribute_auto`); unknown when a request's choice is."""
     ok = [r for r in got if r["error"] is None]
@@ -274,7 +274,7 @@ def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbp
     first, total = ((list(x) for x in zip(*(wire_bytes(m, r["prompt_tokens"], shape, cache_dtype)
                                               for m, r in zip(modes, got, strict=True)), strict=True))
                     if known else ([], []))
-    ideals = cell_ideals(prefill_s, first, link_gbps, conc) if known else []
+    ideals = cell_ideals(prefill_s, first, link_gbps, conc, batches) if known else []
     row: dict[str, Any] = {"mode": mode, "rate_label": label, "link_gbps": link_gbps, "concurrency": conc,
                            "prompt_tokens": round(statistics.mean(r["prompt_tokens"] for r in got)),
                            "nominal_tokens": nominal, "n": len(got), "errors": len(got) - len(ok),
@@ -295,8 +295,8 @@ def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbp
     # 32nd..64th tokens)
     steps = [(r["tt64_s"] - r["tt32_s"]) / 32 for r in ok if r["tt64_s"] is not None and r["tt32_s"] is not None]
     row["decode_step_s"] = quantile(steps, 0.5)
-    row["limit_ttft_s"] = (quantile(cell_limits(prefill_s, first, link_gbps, conc, row["decode_step_s"] or 0.0), 0.5)
-                           if known else None)
+    row["limit_ttft_s"] = (quantile(cell_limits(prefill_s, first, link_gbps, conc, row["decode_step_s"] or 0.0,
+                                                batches), 0.5) if known else None)
     row["ttft_vs_limit"] = (row["ttft_s_median"] / row["limit_ttft_s"]
                             if row["ttft_s_median"] and row["limit_ttft_s"] else None)
     drafted = delta.get("lynx_drafted") or delta.get("vllm_drafted") or 0.0

@@ -105,19 +105,32 @@ def limit_ttfts(prefill_s: float, first_bytes: list[int], link_gbps: float | Non
     return out
 
 
+def cell_rounds(first_bytes: list[int], conc: int, batches: int = 1) -> list[list[int]]:
+    """A cell's requests (in the order sent) grouped as they were sent at once: at concurrency 1 each on its own,
+    else one group per round (``--batches``; the rounds are equal, consecutive parts of the cell's requests)."""
+    if conc == 1:
+        return [[b] for b in first_bytes]
+    rounds = max(1, batches)
+    if len(first_bytes) % rounds:
+        raise ValueError(f"{len(first_bytes)} requests do not split into {rounds} equal rounds")
+    size = len(first_bytes) // rounds
+    return [list(first_bytes[i:i + size]) for i in range(0, len(first_bytes), size)]
+
+
 def cell_limits(prefill_s: float, first_bytes: list[int], link_gbps: float | None, conc: int,
-                step_s: float) -> list[float]:
-    """Limit TTFTs of a cell's requests (:func:`limit_ttfts`): at concurrency 1 each on its own."""
-    if conc == 1:
-        return [limit_ttfts(prefill_s, [b], link_gbps, step_s)[0] for b in first_bytes]
-    return limit_ttfts(prefill_s, list(first_bytes), link_gbps, step_s)
+                step_s: float, batches: int = 1) -> list[float]:
+    """Limit TTFTs of a cell's requests (:func:`limit_ttfts`), each round of the cell on its own
+    (:func:`cell_rounds`)."""
+    return [t for group in cell_rounds(first_bytes, conc, batches)
+            for t in limit_ttfts(prefill_s, group, link_gbps, step_s)]
 
 
-def cell_ideals(prefill_s: float, first_bytes: list[int], link_gbps: float | None, conc: int) -> list[float]:
-    """Ideal TTFTs of a cell's requests: at concurrency 1 each request on its own, else as one batch."""
-    if conc == 1:
-        return [ideal_ttfts(prefill_s, [b], link_gbps)[0] for b in first_bytes]
-    return ideal_ttfts(prefill_s, list(first_bytes), link_gbps)
+def cell_ideals(prefill_s: float, first_bytes: list[int], link_gbps: float | None, conc: int,
+                batches: int = 1) -> list[float]:
+    """Ideal TTFTs of a cell's requests (:func:`ideal_ttfts`), each round of the cell on its own
+    (:func:`cell_rounds`): a round's requests were sent at once, the next round only after it had finished."""
+    return [t for group in cell_rounds(first_bytes, conc, batches)
+            for t in ideal_ttfts(prefill_s, group, link_gbps)]
 
 
 def ref_bf16_bytes(num_tokens: int, shape: ModelShape) -> int:

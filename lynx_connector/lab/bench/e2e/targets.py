@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from lynx_connector.lab.bench.e2e.plan import ModelShape, cell_ideals, quantile, wire_bytes
+from lynx_connector.lab.bench.e2e.plan import ModelShape, cell_ideals, cell_limits, quantile, wire_bytes
 from lynx_connector.modes import AUTO_MODE
 
 TARGETS = {
@@ -151,8 +151,9 @@ def _check(label: str, metric: str, value: float | None, op: str, target: float)
 
 
 def rederive_ideals(result: dict[str, Any]) -> None:
-    """Recompute each row's ideal TTFT and measured/ideal from the stored measurements (prefill, requests,
-    link rate) with the current model, and the target checks; for results written by an older version."""
+    """Recompute each row's ideal and limit TTFT and measured/ideal, measured/limit from the stored measurements
+    (prefill, requests, link rate, rounds, decode step) with the current model, and the target checks; for
+    results written by an older version."""
     shape = ModelShape(**result["model_shape"])
     for row in result["rows"]:
         reqs = [r for r in result["requests"] if r["rate_label"] == row["rate_label"] and r["mode"] == row["mode"]
@@ -161,11 +162,19 @@ def rederive_ideals(result: dict[str, Any]) -> None:
         modes = [r.get("auto_mode") if row["mode"] == AUTO_MODE else row["mode"] for r in reqs]
         if any(m is None for m in modes):  # an auto request whose choice is unknown
             row["ideal_ttft_s"] = row["ttft_vs_ideal"] = None
+            row["limit_ttft_s"] = row["ttft_vs_limit"] = None
             continue
         first = [wire_bytes(m, r["prompt_tokens"], shape, result.get("cache_dtype", "float32"))[0]
                  for m, r in zip(modes, reqs, strict=True)]
-        ideals = cell_ideals(row["prefill_s"], first, row["link_gbps"], row["concurrency"])
+        batches = row.get("batches", 1)
+        ideals = cell_ideals(row["prefill_s"], first, row["link_gbps"], row["concurrency"], batches)
         row["ideal_ttft_s"] = quantile(ideals, 0.5)
         row["ttft_vs_ideal"] = (row["ttft_s_median"] / row["ideal_ttft_s"]
                                 if row["ttft_s_median"] and row["ideal_ttft_s"] else None)
+        if "decode_step_s" in row:
+            limits = cell_limits(row["prefill_s"], first, row["link_gbps"], row["concurrency"],
+                                 row["decode_step_s"] or 0.0, batches)
+            row["limit_ttft_s"] = quantile(limits, 0.5)
+            row["ttft_vs_limit"] = (row["ttft_s_median"] / row["limit_ttft_s"]
+                                    if row["ttft_s_median"] and row["limit_ttft_s"] else None)
     result["checks"] = evaluate_targets(result["rows"], result["config"]["ratios"])
