@@ -17,7 +17,9 @@ Per candidate:
 * ``dnll``: mean paired per-window NLL difference to exact KV over the continuation tokens X[1:] (the context C's KV
   quantized, X's own KV exact: what ``lynx bench accuracy`` scores), with a t 95% interval;
 * ``first_div``: mean first position (of ``--tokens``) where greedy decoding on the candidate's prompt KV leaves
-  decoding on the exact KV (``benchmarks/anchor_agreement.py``'s measure, same summary prompts).
+  decoding on the exact KV (``benchmarks/anchor_agreement.py``'s measure, same summary prompts);
+  ``first_div_ref`` (``--reference``): the same against one candidate's tokens, e.g. lynx full's (the progressive
+  row with every layer's residual landed), which is what D verifies the anchor's tokens against.
 
     .venv/bin/python benchmarks/anchor_search.py --prompts 16 --windows 8 --out benchmarks/results/anchor_search.json
 """
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 
 HEAD_DIM, TOKENS_FOR_BITS, BUDGET_BITS, FULL_TARGET = 64, 1024, 4.6, 5e-5
+EXACT = "exact"  # the greedy tokens on the exact prompt KV, beside the candidates' (:func:`agreement`)
 
 
 @dataclass(frozen=True)
@@ -320,10 +323,11 @@ def score_windows(model, windows, fmts: list[Fmt], cont: int) -> dict[str, dict]
 
 
 @torch.no_grad()
-def agreement(model, prompts, fmts: list[Fmt], tokens: int) -> dict[str, list[int]]:
-    """First greedy divergence per candidate and prompt. Row 0 of one batch decodes on the exact prompt KV, row
-    i + 1 on candidate i's: every candidate is compared with a reference computed in the same batched forward."""
-    divs: dict[str, list[int]] = {f.name: [] for f in fmts}
+def agreement(model, prompts, fmts: list[Fmt], tokens: int) -> dict[str, list[list[int]]]:
+    """Greedy tokens per candidate and prompt, and the exact KV's (key ``EXACT``). Row 0 of one batch decodes on
+    the exact prompt KV, row i + 1 on candidate i's: every candidate is compared with a reference computed in the
+    same batched forward (:func:`divergences`)."""
+    seqs_by: dict[str, list[list[int]]] = {EXACT: [], **{f.name: [] for f in fmts}}
     b = len(fmts) + 1
     for p in prompts:
         cache = model(torch.tensor([p.token_ids[:-1]]), use_cache=True).past_key_values
@@ -338,9 +342,17 @@ def agreement(model, prompts, fmts: list[Fmt], tokens: int) -> dict[str, list[in
             cur = o.logits[:, -1].argmax(-1, keepdim=True)
             out.append(cur[:, 0].tolist())
         seqs = list(zip(*out, strict=True))
-        for i, f in enumerate(fmts):
-            divs[f.name].append(first_difference(list(seqs[i + 1]), list(seqs[0])))
-    return divs
+        for name, seq in zip((EXACT, *(f.name for f in fmts)), seqs, strict=True):
+            seqs_by[name].append(list(seq))
+    return seqs_by
+
+
+def divergences(seqs: dict[str, list[list[int]]], reference: str = "") -> dict[str, list[int]]:
+    """First divergence per candidate and prompt from the reference's tokens: the exact KV's, or (``reference``) a
+    candidate's, e.g. lynx full, which is what D verifies the anchor's tokens against."""
+    ref = seqs[reference or EXACT]
+    return {name: [first_difference(a, r) for a, r in zip(got, ref, strict=True)]
+            for name, got in seqs.items() if name != EXACT}
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -356,16 +368,21 @@ def markdown(result: dict) -> str:
         f"{cfg['continuation_tokens']} scored); {cfg['prompts']} summary prompts of ~{cfg['context']} essay tokens, "
         f"{cfg['tokens']} greedy tokens. Command: `{result['command']}`; wall {result['wall_s']:.0f} s.", "",
         "| anchor format | bits/value | in budget | vNMSE K | vNMSE V | full vNMSE K | full vNMSE V | attn err | "
-        "attn err (K only) | attn err (V only) | dNLL (95% CI) | first divergence mean | median |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "attn err (K only) | attn err (V only) | dNLL (95% CI) | first divergence mean | median |"
+        + (" first divergence from the reference: mean | median |" if cfg.get("reference") else ""),
+        "| --- " * (13 + (2 if cfg.get("reference") else 0)) + "|",
     ]
     for r in result["formats"]:
         fd = r.get("first_div") or []
+        fr = r.get("first_div_ref") or []
+        ref_cells = (f" {statistics.mean(fr):.1f} | {statistics.median(fr):.1f} |" if fr else " - | - |") \
+            if cfg.get("reference") else ""
         lines.append(
             f"| {r['name']} | {r['bits']:.3f} | {'yes' if r['in_budget'] else 'no'} | {r['vnmse_k']:.2e} | "
             f"{r['vnmse_v']:.2e} | {r['full_vnmse_k']:.1e} | {r['full_vnmse_v']:.1e} | {r['attn_err']:.2e} | "
             f"{r['attn_err_k']:.2e} | {r['attn_err_v']:.2e} | {r['dnll']:+.4f} (±{r['dnll_ci95']:.4f}) | "
-            f"{statistics.mean(fd) if fd else float('nan'):.1f} | {statistics.median(fd) if fd else float('nan'):.1f} |")
+            f"{statistics.mean(fd) if fd else float('nan'):.1f} | {statistics.median(fd) if fd else float('nan'):.1f} |"
+            + ref_cells)
     lines += ["", f"Mean attention weight on the first token (exact KV, all layers and heads): "
               f"{result['sink_share']:.3f}. Its norm over the median token's (per layer and head): "
               + ", ".join(f"{tag.upper()} median {r['median']:.2f} (min {r['min']:.2f}, max {r['max']:.2f})"
@@ -375,7 +392,10 @@ def markdown(result: dict) -> str:
               f"residual, target {FULL_TARGET:g}); attn err: the same ratio for the attention outputs of the scored "
               "tokens' real queries (one layer at a time, the rest of its inputs equal); dNLL: paired per-window "
               "NLL difference to exact KV; first divergence: first greedy position (of "
-              f"{cfg['tokens']}) that differs from exact KV.", ""]
+              f"{cfg['tokens']}) that differs from exact KV"
+              + (f"; from the reference: the same against greedy decoding on `{cfg['reference']}`'s KV (what D "
+                 "verifies the anchor's tokens against when the reference is lynx full)" if cfg.get("reference")
+                 else "") + ".", ""]
     return "\n".join(lines)
 
 
@@ -395,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--continuation-tokens", type=int, default=128)
     ap.add_argument("--only", default="", help="comma-separated substrings: run only the formats whose name has one")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reference", default="", help="a substring of one selected candidate's name (e.g. 'layers "
+                    "0-29', lynx full): also report each candidate's first divergence from that candidate's tokens")
     ap.add_argument("--out", default=None, help="write JSON here (and the Markdown table beside it)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -405,10 +427,17 @@ def main(argv: list[str] | None = None) -> int:
     AttentionInterface.register("lynx_probe", probe_attention)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="lynx_probe").eval()
     fmts = [f for f in candidates() if not args.only or any(s in f.name for s in args.only.split(","))]
+    refs = [f.name for f in fmts if args.reference and args.reference in f.name]
+    if args.reference and len(refs) != 1:
+        ap.error(f"--reference {args.reference!r} must name exactly one selected candidate, got {refs}")
+    if args.reference and not args.prompts:
+        ap.error("--reference needs greedy prompts (--prompts > 0)")
     windows = data.perplexity_windows(tok, args.window_tokens, args.windows)
     per = score_windows(model, windows, fmts, args.continuation_tokens)
     prompts = [data.build_summary_prompt(tok, args.context, seed=5 * i + 1) for i in range(args.prompts)]
-    divs = agreement(model, prompts, fmts, args.tokens) if prompts else {}
+    seqs = agreement(model, prompts, fmts, args.tokens) if prompts else {}
+    divs = divergences(seqs) if seqs else {}
+    divs_ref = divergences(seqs, refs[0]) if refs else {}
     rows = []
     for f in fmts:
         st, pr = per[f.name]["stats"], per[f.name]["probe"]
@@ -418,13 +447,15 @@ def main(argv: list[str] | None = None) -> int:
                      "full_vnmse_k": st["ef_k"] / st["n_k"], "full_vnmse_v": st["ef_v"] / st["n_v"],
                      **{k: pr[k] / pr["attn_den"] for k in ("attn_err", "attn_err_k", "attn_err_v")},
                      "dnll": m, "dnll_ci95": half, "dnll_windows": per[f.name]["dnll"],
-                     "first_div": divs.get(f.name, [])})
+                     "first_div": divs.get(f.name, []),
+                     **({"first_div_ref": divs_ref[f.name]} if refs else {})})
         pr0 = pr
     result = {"bench": "anchor_search", "model": Path(path).name, "command": " ".join(["benchmarks/anchor_search.py",
               *(argv if argv is not None else sys.argv[1:])]),
               "config": {"prompts": args.prompts, "context": args.context, "tokens": args.tokens,
                          "windows": args.windows, "window_tokens": args.window_tokens,
-                         "continuation_tokens": args.continuation_tokens},
+                         "continuation_tokens": args.continuation_tokens,
+                         **({"reference": refs[0]} if refs else {})},
               "sink_share": pr0["sink_share"] / pr0["queries"],
               "sink_norm_ratio": {tag: {"median": statistics.median(x), "min": min(x), "max": max(x)}
                                   for tag, x in per["_sink_norms"].items()},

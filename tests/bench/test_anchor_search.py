@@ -81,3 +81,24 @@ def test_progressive_layers_decode_on_anchor_plus_residual_and_count_its_bits() 
         return float((layers[i].values - exact[i][1]).pow(2).mean() / exact[i][1].pow(2).mean())
 
     assert err(0) < 1e-4 < 1e-3 < err(29)  # full precision (~8.5 bits) where landed, the 4-bit anchor elsewhere
+
+
+def test_divergences_against_the_exact_tokens_or_a_reference_candidate() -> None:
+    from benchmarks.anchor_search import EXACT, divergences, markdown
+
+    seqs = {EXACT: [[1, 2, 3, 4], [5, 6, 7, 8]], "anchor": [[1, 2, 9, 9], [5, 6, 7, 8]],
+            "full": [[1, 2, 9, 4], [5, 0, 7, 8]]}
+    assert divergences(seqs) == {"anchor": [2, 4], "full": [2, 1]}
+    # against lynx full: the anchor follows full's first prompt one token further and leaves its second at 1
+    assert divergences(seqs, "full") == {"anchor": [3, 1], "full": [4, 4]}
+    row = {"name": "anchor", "bits": 4.5, "in_budget": True, **dict.fromkeys(
+        ("vnmse_k", "vnmse_v", "full_vnmse_k", "full_vnmse_v", "attn_err", "attn_err_k", "attn_err_v", "dnll",
+         "dnll_ci95"), 0.0), "first_div": [2, 4], "first_div_ref": [3, 1]}
+    result = {"model": "m", "command": "c", "wall_s": 1.0, "sink_share": 0.5, "formats": [row],
+              "sink_norm_ratio": {"k": {"median": 1.0, "min": 1.0, "max": 1.0}},
+              "config": {"windows": 1, "window_tokens": 8, "continuation_tokens": 4, "prompts": 2, "context": 8,
+                         "tokens": 4, "reference": "full"}}
+    table = markdown(result)
+    assert "| 3.0 | 3.0 | 2.0 | 2.0 |" in table and "`full`'s KV" in table
+    header, rule = [line for line in table.splitlines() if line.startswith("|")][:2]
+    assert header.count("|") == rule.count("|")
