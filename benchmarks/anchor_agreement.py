@@ -8,6 +8,9 @@ the tokens differ from decoding on the exact KV (``--tokens`` when they never do
 
     .venv/bin/python benchmarks/anchor_agreement.py --prompts 12 --tokens 64
 
+``--reference full`` compares with decoding on lynx full's prompt KV (the default grouping's anchor + residual)
+instead of the exact KV: what D verifies the anchor's tokens against, so what speculation can accept.
+
 ``--margins``: for the Lynx default grouping only, the calibration of the speculative mode's confidence gate
 (``speculative_min_margin``): the anchor's top-two logit margin at each position, the margin where the first
 difference occurs, and per threshold what the gate would hold and verification accept over ``--tokens``
@@ -104,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dump", default=None, help="with --margins: write per-prompt margins and the anchor's margin "
                     "error to this JSON (input of benchmarks/gate_adapt.py)")
     ap.add_argument("--model", default=None, help="a Hugging Face model directory (default: the prepared SmolLM2)")
+    ap.add_argument("--reference", choices=("fp32", "full"), default="fp32",
+                    help="what the anchor's tokens are compared with: decoding on the exact (fp32) prompt KV, or on "
+                    "lynx full's (anchor + residual of the default grouping), which is what D verifies against")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     path = args.model or str(prepare())
@@ -112,19 +118,19 @@ def main(argv: list[str] | None = None) -> int:
     # seeds 5i + 1: distinct essays for up to 49 prompts (5 is prime to the 49 essays)
     prompts = [data.build_summary_prompt(tok, args.context, seed=5 * i + 1) for i in range(args.prompts)]
 
-    def anchor(x: torch.Tensor, mode: str, g: int) -> torch.Tensor:  # x [T, H, D]
-        p = quantize_ref(x, mode, g, 15, False)
-        return dequantize_ref(p.codes, None, p.scale, p.mn, mode, g)
+    def anchor(x: torch.Tensor, mode: str, g: int, full: bool = False) -> torch.Tensor:  # x [T, H, D]
+        p = quantize_ref(x, mode, g, 15, full)
+        return dequantize_ref(p.codes, p.residual if full else None, p.scale, p.mn, mode, g)
 
     @torch.no_grad()
     def greedy(ids: list[int], cfg: tuple | None, margins: list[float] | None = None,
-               logits: list[torch.Tensor] | None = None) -> list[int]:
+               logits: list[torch.Tensor] | None = None, full: bool = False) -> list[int]:
         cache = model(torch.tensor([ids[:-1]]), use_cache=True).past_key_values
         if cfg is not None:
             for layer in cache.layers:
                 for name, (mode, g) in zip(("keys", "values"), cfg, strict=True):
                     t = getattr(layer, name)  # [1, H, T, D]
-                    t.copy_(anchor(t[0].transpose(0, 1).contiguous(), mode, g).transpose(0, 1).unsqueeze(0))
+                    t.copy_(anchor(t[0].transpose(0, 1).contiguous(), mode, g, full).transpose(0, 1).unsqueeze(0))
         cur, out = torch.tensor([[ids[-1]]]), []
         for _ in range(args.tokens):
             o = model(cur, past_key_values=cache, use_cache=True)
@@ -153,11 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         "K channel/32, V channel/64": (("channel", 32), ("channel", 64)),
         "K token, V token (int4 per token-head)": (("token", 1), ("token", 1)),
     }
-    refs = [greedy(p.token_ids, None) for p in prompts]
+    # the reference path: exact KV, or lynx full's (the default grouping's anchor + residual)
+    ref_cfg = configs[LYNX_DEFAULT] if args.reference == "full" else None
+    refs = [greedy(p.token_ids, ref_cfg, full=True) for p in prompts]
     if args.margins:
         return calibrate_gate(prompts, refs, lambda ids, m, lg: greedy(ids, configs[LYNX_DEFAULT], m, lg),
-                              args.tokens, exact=lambda ids, lg: greedy(ids, None, None, lg), dump=args.dump)
-    sys.stdout.write(f"{'anchor grouping':42s} {'bits/value':>10s}  first divergence (of {args.tokens}) per prompt\n")
+                              args.tokens, exact=lambda ids, lg: greedy(ids, ref_cfg, None, lg, full=True),
+                              dump=args.dump)
+    sys.stdout.write(f"reference: {'lynx full (default grouping)' if ref_cfg else 'exact (fp32) KV'}\n"
+                     f"{'anchor grouping':42s} {'bits/value':>10s}  first divergence (of {args.tokens}) per prompt\n")
     for name, cfg in configs.items():
         divs = []
         for p, ref in zip(prompts, refs, strict=True):

@@ -1,6 +1,10 @@
 """``lynx:auto`` (issue 16.3) on real `lynx serve` P and D behind `lynx proxy`: the preset installs the
 speculative scheduler on both, so on a slow link P picks speculative for a greedy request and full for a
-sampled one (its first token could not be released on the anchor); both are served and report the choice."""
+sampled one (its first token could not be released on the anchor); both are served and report the choice.
+
+Through the sequential flow D serves the mode P chose. Through the pipelined flow (the proxy's default) D hears
+of the request before P has chosen and serves a Lynx choice, full or speculative (the same planes), as the Lynx
+mode it can serve, speculative here: docs/PROTOCOL.md section 7. Both flows run against the same P and D."""
 
 from __future__ import annotations
 
@@ -20,7 +24,9 @@ def deployment(tmp_path_factory, model):
 
     cfg = json.dumps({"kv_connector": "lynx:auto",
                       "kv_connector_extra_config": {"link_gbps": 0.5, "lease_s": 60}})
-    with Deployment(model, tmp_path_factory.mktemp("auto"), kv_transfer_config=cfg, max_model_len=4096) as dep:
+    dep = Deployment(model, tmp_path_factory.mktemp("auto"), kv_transfer_config=cfg, max_model_len=4096)
+    dep.sequential_url = dep.add_proxy("proxy-sequential", ["--flow", "sequential"]).url  # type: ignore[attr-defined]
+    with dep:
         yield dep
 
 
@@ -34,18 +40,28 @@ def needle(deployment):
     return build_needle_prompt(AutoTokenizer.from_pretrained(str(model_dir())), 1200, depth=0.5, seed=7)
 
 
-def test_lynx_auto_speculates_greedy_requests_and_serves_sampled_ones_full(deployment, needle):
+def test_lynx_auto_chooses_per_request_and_each_flow_serves_the_choice(deployment, needle):
     from lynx_connector.lab.models import model_dir
 
     body = {"model": str(model_dir()), "prompt": needle.token_ids, "max_tokens": 12}
-    greedy = post(deployment.url + "/v1/completions", {**body, "temperature": 0})  # the instance's mode: auto
+    sampled_body = {**body, "temperature": 0.7, "seed": 3, "kv_transfer_params": {"lynx_mode": "auto"}}
+    # sequential flow: P's signed answer names its choice and D serves exactly that
+    greedy = post(deployment.sequential_url + "/v1/completions", {**body, "temperature": 0})  # instance mode: auto
     assert needle.answer in greedy["choices"][0]["text"], greedy
     assert greedy["kv_transfer_params"]["lynx_auto"] == {"mode": "speculative", "reason": "slow_link"}
-    sampled = post(deployment.url + "/v1/completions", {**body, "temperature": 0.7, "seed": 3,
-                                                        "kv_transfer_params": {"lynx_mode": "auto"}})
+    sampled = post(deployment.sequential_url + "/v1/completions", sampled_body)
     assert sampled["choices"][0]["text"], sampled
     assert sampled["kv_transfer_params"]["lynx_auto"] == {"mode": "full", "reason": "slow_link_no_speculation"}
+    # pipelined flow: P names its choice on the side channel; D serves a Lynx one as speculative (it can), with
+    # P's reason
+    greedy = post(deployment.url + "/v1/completions", {**body, "temperature": 0})
+    assert needle.answer in greedy["choices"][0]["text"], greedy
+    assert greedy["kv_transfer_params"]["lynx_auto"] == {"mode": "speculative", "reason": "slow_link"}
+    sampled = post(deployment.url + "/v1/completions", sampled_body)
+    assert sampled["choices"][0]["text"], sampled
+    assert sampled["kv_transfer_params"]["lynx_auto"] == {"mode": "speculative",
+                                                          "reason": "slow_link_no_speculation"}
     p_log = deployment.prefill.log_path.read_text()
-    assert re.search(r"auto chose speculative \(slow_link\)", p_log)
-    assert re.search(r"auto chose full \(slow_link_no_speculation\)", p_log)
-    assert "speculation" in deployment.decode.log_path.read_text()  # D speculated on the greedy one
+    assert len(re.findall(r"auto chose speculative \(slow_link\)", p_log)) == 2
+    assert len(re.findall(r"auto chose full \(slow_link_no_speculation\)", p_log)) == 2
+    assert "speculation" in deployment.decode.log_path.read_text()  # D speculated on the greedy ones
