@@ -117,7 +117,22 @@ def test_rederived_ideals_follow_the_stored_choices() -> None:
     assert row["ideal_ttft_s"] == pytest.approx(expected)
     reqs[1]["auto_mode"] = None
     e2e.rederive_ideals(result)
-    assert row["ideal_ttft_s"] is None
+    assert row["ideal_ttft_s"] is None and row["limit_ttft_s"] is None
+
+
+def test_rederived_ideal_and_limit_take_each_round_on_its_own() -> None:
+    """A stored ``--batches 2`` row at concurrency 2: re-derived, its ideal and limit are those of one round of two
+    requests (what summarize_cell computes), not of the four requests queued as one batch."""
+    reqs = [dict(_req(f"r{i}", seed=i % 2, mode="int8"), concurrency=2) for i in range(4)]
+    row = e2e.summarize_cell(reqs, "int8", 1024, 2, 0.1, "r", 0.5, SHAPE, {}, batches=2)
+    row.update(flow="sequential", batches=2)
+    expected = row["ideal_ttft_s"], row["limit_ttft_s"]
+    one_round = e2e.ideal_ttfts(0.5, [e2e.wire_bytes("int8", 1100, SHAPE)[0]] * 2, 0.1)
+    assert expected[0] == pytest.approx(e2e.quantile(one_round, 0.5))
+    row["ideal_ttft_s"] = row["limit_ttft_s"] = 99.0  # as an older version stored them
+    result = {"model_shape": SHAPE.__dict__, "rows": [row], "requests": reqs, "config": {"ratios": [2.0]}}
+    e2e.rederive_ideals(result)
+    assert (row["ideal_ttft_s"], row["limit_ttft_s"]) == (pytest.approx(expected[0]), pytest.approx(expected[1]))
 
 
 def _row(mode: str, ttft: float | None, conc: int = 1, flow: str = "sequential") -> dict:
