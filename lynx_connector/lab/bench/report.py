@@ -136,12 +136,21 @@ def e2e_markdown(result: dict[str, Any]) -> str:
                    "a P's first request the sequential way, to learn its side channel).\n")
     checks = result.get("checks", [])
     if checks:
-        out.append("\n### Targets (issues 5, 6, 15: concurrency 1; issue 16's auto: per cell)\n")
+        out.append("\n### Targets (issues 5, 6, 15: concurrency 1; issue 16: per cell at concurrency > 1)\n")
         out.append(_md_table(["regime", "metric", "value", "target", "verdict"],
-                             [[c["regime"], c["metric"], c["value"], f"{c['op']} {c['target']}",
+                             [[c["regime"], c["metric"], _check_value(c), f"{c['op']} {c['target']}",
                                c.get("note") or ("n/a" if c["pass"] is None else ("PASS" if c["pass"] else "FAIL"))]
                               for c in checks]))
     return "\n".join(out)
+
+
+def _check_value(c: dict[str, Any]) -> Any:
+    """A check's value as the table shows it: two decimals, more (up to four) where two would read as the target
+    itself although the value differs from it."""
+    v = c["value"]
+    if not isinstance(v, float) or v == c["target"] or f"{v:.2f}" != f"{float(c['target']):.2f}":
+        return v
+    return next((f"{v:.{d}f}" for d in (3, 4) if f"{v:.{d}f}" != f"{float(c['target']):.{d}f}"), f"{v:.4f}")
 
 
 def _flow_cell(r: dict[str, Any]) -> str:

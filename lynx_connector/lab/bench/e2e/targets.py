@@ -23,7 +23,13 @@ TARGETS = {
     "security_vs_ttft": 0.03,
     # issue 16: auto TTFT / the best of these fixed modes' TTFT at most, in each regime (same cell otherwise)
     "auto_vs_best_fixed": 1.05,
+    # issue 16, concurrency 4 and 8 in the link-dominated regimes (2x, 10x), per cell
+    "conc_full_vs_int8": 1.0,  # full TTFT / int8 TTFT at most
+    "conc_spec_tt32_vs_int8": 0.9,  # speculative TT32T / int8 TT32T at most
+    "conc4_int8_vs_ideal": 1.15,  # int8 TTFT / its ideal TTFT at concurrency 4
 }
+#: The regimes issue 16's concurrency targets are judged in: 16-bit BF16 transfer at least this x prefill.
+CONC_MIN_RATIO = 2.0
 #: The fixed modes auto is judged against (issue 16).
 AUTO_RIVALS = ("bf16", "int8", "full", "speculative")
 #: The flow the earlier issues' targets are judged on: what ``lynx proxy`` runs by default (rows of results
@@ -49,8 +55,11 @@ def evaluate_targets(rows: list[dict], ratios: list[float]) -> list[dict[str, An
     def pooled(label: str, key: str) -> int:
         return sum(r[key] or 0 for r in cells(label, "speculative"))
 
-    hi = list(dict.fromkeys(r["rate_label"] for r in rows if ratios and r.get("target_ratio") == max(ratios)))
-    lo = list(dict.fromkeys(r["rate_label"] for r in rows if ratios and r.get("target_ratio") == min(ratios)))
+    # the transfer-dominated (largest ratio, above 1) and the compute-dominated (smallest, below 1) regimes
+    hi = list(dict.fromkeys(r["rate_label"] for r in rows
+                            if ratios and max(ratios) > 1 and r.get("target_ratio") == max(ratios)))
+    lo = list(dict.fromkeys(r["rate_label"] for r in rows
+                            if ratios and min(ratios) < 1 and r.get("target_ratio") == min(ratios)))
 
     for label in hi:
         spec, i8, i4, full = (med(label, m, "ttft_s_median") for m in ("speculative", "int8", "int4", "full"))
@@ -82,8 +91,40 @@ def evaluate_targets(rows: list[dict], ratios: list[float]) -> list[dict[str, An
                                  TARGETS["compute_regime_lynx_vs_int8"]))
     if "pipelined" in flows:
         checks += _pipelined_checks(rows, ratios, med, cells, hi, lo)
+    checks += concurrency_checks(rows)
     checks += auto_checks(rows)
     return checks
+
+
+def concurrency_checks(rows: list[dict]) -> list[dict[str, Any]]:
+    """Issue 16 at concurrency above 1, per cell (regime of ratio >= ``CONC_MIN_RATIO``, concurrency, prompt
+    length, flow) where int8 ran: full TTFT / int8 TTFT, speculative TT32T / int8 TT32T and, at concurrency 4,
+    int8 TTFT over its ideal TTFT (the issue's measure; in the pipelined flow, where transfer overlaps prefill,
+    the row's TTFT/limit is the stricter floor); a ratio needs both of its modes in the cell."""
+    out: list[dict[str, Any]] = []
+    for i8 in rows:
+        if (i8["mode"] != "int8" or i8["concurrency"] <= 1 or i8.get("target_ratio") is None
+                or i8["target_ratio"] < CONC_MIN_RATIO):
+            continue
+        flow = i8.get("flow", "sequential")
+        same = {r["mode"]: r for r in rows if r["rate_label"] == i8["rate_label"]
+                and r["concurrency"] == i8["concurrency"] and r.get("nominal_tokens") == i8.get("nominal_tokens")
+                and r.get("flow", "sequential") == flow}
+        where = f"conc {i8['concurrency']}, {flow} proxy"
+        out.append(_check(i8["rate_label"], f"full TTFT / int8 TTFT ({where})",
+                          _over(same.get("full"), i8, "ttft_s_median"), "<=", TARGETS["conc_full_vs_int8"]))
+        out.append(_check(i8["rate_label"], f"speculative TT32T / int8 TT32T ({where})",
+                          _over(same.get("speculative"), i8, "tt32_s_median"), "<=",
+                          TARGETS["conc_spec_tt32_vs_int8"]))
+        if i8["concurrency"] == 4:  # the issue's ideal (the table's TTFT/limit is the pipelined flow's own floor)
+            out.append(_check(i8["rate_label"], f"int8 TTFT / ideal ({where})", i8.get("ttft_vs_ideal"), "<=",
+                              TARGETS["conc4_int8_vs_ideal"]))
+    return out
+
+
+def _over(row: dict | None, base: dict, key: str) -> float | None:
+    """``row[key] / base[key]``; None when the row did not run or either value is missing."""
+    return row[key] / base[key] if row and row.get(key) and base.get(key) else None
 
 
 def auto_checks(rows: list[dict]) -> list[dict[str, Any]]:
