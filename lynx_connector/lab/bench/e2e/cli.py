@@ -14,8 +14,11 @@ essays), every transfer mode on one P/D pair (each request names its mode), the 
    measures the filler). Client-side times (through the proxy): TTFT, TT32T, TT64T; D's Prometheus counters
    give the bytes that crossed the link and the speculated/accepted tokens.
 4. Per row the ideal TTFT = measured prefill + bytes needed before the first released token / link rate
-   (requests of a concurrent batch prefilled one after another on P, the link serving them in order), and
-   measured/ideal, so every overhead is visible.
+   (requests of a concurrent batch prefilled one after another on P, the link serving them in order; with
+   ``--batches`` each round on its own), and measured/ideal, so every overhead is visible.
+5. Each result carries its target checks (``targets.evaluate_targets``): the concurrency-1 targets of the
+   earlier issues and, per cell at concurrency above 1, issue 16's (full and speculative against int8, auto
+   against the best fixed mode).
 
 "bf16" is the passthrough of the cache dtype: the CPU servers keep an fp32 cache, so it moves 32 bits/value,
 twice the 16-bit BF16 bytes that define the regimes.
