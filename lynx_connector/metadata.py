@@ -129,9 +129,9 @@ class LynxWorkerMeta(KVConnectorWorkerMetadata):
     #: P, for ``auto`` (lynx_connector/auto.py): (measured link bytes/s or 0, bytes staged that D has not finished
     #: reading, recent Lynx encode seconds per token or 0); None on steps that carry no new measure.
     p_link: tuple[float, int, float] | None = None
-    #: D, auto in the concurrent flow: the mode each request is served as, once P named its choice, and P's
-    #: reason (lynx_connector.auto.AUTO_REASONS).
-    auto_modes: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: D, auto in the concurrent flow, once P named its choice: (the mode the request is served as, P's reason
+    #: (lynx_connector.auto.AUTO_REASONS), P's choice), by request id.
+    auto_modes: dict[str, tuple[str, str, str]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, LynxWorkerMeta):

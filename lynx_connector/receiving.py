@@ -86,7 +86,7 @@ class ReceiveHalf:
         self._recv_waiting: OrderedDict[str, tuple[RecvSpec, dict[str, Any], float]] = OrderedDict()
         self._merged: set[str] = set()
         self._residual_failed: set[str] = set()
-        self._auto_modes: dict[str, tuple[str, str]] = {}  # auto, concurrent flow: served as, P's reason
+        self._auto_modes: dict[str, tuple[str, str, str]] = {}  # auto, concurrent flow: served as, P's reason, choice
 
     def start_load(self, meta: LynxConnectorMetadata) -> None:
         for req_id in meta.recv_aborted:
@@ -157,7 +157,7 @@ class ReceiveHalf:
                 if rec.spec.auto:  # P's choice: a Lynx one is served as D picked (speculative or full)
                     served = rec.spec.mode if get_mode(p_mode).two_stream else p_mode
                     rec.spec = replace(rec.spec, mode=served, auto=False)
-                    self._auto_modes[req_id] = (served, reason)
+                    self._auto_modes[req_id] = (served, reason, p_mode)
                     trace("D", rec.spec.transfer_id or req_id, "auto", mode=served)
                 self._recv_waiting[req_id] = (rec.spec, {}, deadline)
 

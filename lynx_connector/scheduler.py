@@ -385,10 +385,12 @@ class LynxConnectorScheduler:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, LynxWorkerMeta):
             self._auto.observe(meta.p_link)
-            for req_id, (mode, reason) in meta.auto_modes.items():  # D: P named its auto choice (concurrent flow)
+            for req_id, (mode, reason, chosen) in meta.auto_modes.items():  # D: P named its choice (concurrent)
                 if req_id not in self._recv_inflight:
                     continue  # ended meanwhile (aborted): nothing to report, nothing to keep
-                self._auto_report[req_id] = {"mode": mode, "reason": reason}
+                # served as D can: P's own choice named too where it differs (its reason explains that choice)
+                self._auto_report[req_id] = {"mode": mode, "reason": reason,
+                                             **({"chosen": chosen} if chosen != mode else {})}
                 if not get_mode(mode).late_residual and req_id in self.spec_pending:
                     self.spec_pending.discard(req_id)  # reported ready only once its KV is whole
                     self.spec_first_token.pop(req_id, None)

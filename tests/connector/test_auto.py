@@ -247,7 +247,8 @@ def d_auto_req(req_id="d-1", n=64, structured=False):
 def test_d_lets_p_choose_in_the_concurrent_flow(p_choice, reason, pending):
     """D of the concurrent flow with auto: the request pulls provisionally as the Lynx mode D serves (speculative
     here), fenced from the prefix cache; once its worker reports the mode P named, a passthrough choice is no
-    longer pending a residual, a Lynx one stays speculative (D's pick), and the final output names the choice."""
+    longer pending a residual, a Lynx one stays speculative (D's pick), and the final output names the mode served,
+    P's reason and, where D served another mode than P chose (full served as speculative), P's choice."""
     s, mgr = make_p()
     s.speculation_enabled = True
     r = d_auto_req()
@@ -258,12 +259,13 @@ def test_d_lets_p_choose_in_the_concurrent_flow(p_choice, reason, pending):
     assert "d-1" in s.spec_pending and r.block_hashes[0] != bytes(32)  # fenced: speculative until P names
     served = "speculative" if get_mode(p_choice).two_stream else p_choice
     s.update_connector_output(SimpleNamespace(finished_recving=(), failed_recving=(), kv_connector_worker_meta=
-                                              LynxWorkerMeta(auto_modes={"d-1": (served, reason)})))
+                                              LynxWorkerMeta(auto_modes={"d-1": (served, reason, p_choice)})))
     assert ("d-1" in s.spec_pending) is pending
     s.update_connector_output(SimpleNamespace(finished_recving={"d-1"}, failed_recving=(), kv_connector_worker_meta=
                                               LynxWorkerMeta(residual_merged={"d-1"})))
     r.status = RequestStatus.FINISHED_STOPPED
-    assert s.request_finished(r, [0, 1]) == (False, {"lynx_auto": {"mode": served, "reason": reason}})
+    report = {"mode": served, "reason": reason, **({"chosen": "full"} if p_choice == "full" else {})}
+    assert s.request_finished(r, [0, 1]) == (False, {"lynx_auto": report})
     # a request aborted before its worker's report arrives keeps nothing behind
     r2 = d_auto_req("d-2")
     s.get_num_new_matched_tokens(r2, 0)
@@ -271,7 +273,7 @@ def test_d_lets_p_choose_in_the_concurrent_flow(p_choice, reason, pending):
     r2.status = RequestStatus.FINISHED_ABORTED
     assert s.request_finished(r2, [2, 3]) == (True, None)  # its blocks wait for the worker's cancel
     s.update_connector_output(SimpleNamespace(finished_recving={"d-2"}, failed_recving=(), kv_connector_worker_meta=
-                                              LynxWorkerMeta(auto_modes={"d-2": (served, reason)})))
+                                              LynxWorkerMeta(auto_modes={"d-2": (served, reason, p_choice)})))
     assert s._auto_report == {} and s.spec_pending == set()
 
 

@@ -695,7 +695,7 @@ def test_concurrent_auto_pull_is_sized_and_served_by_the_mode_p_names(pair, p_ch
     p.save(LynxConnectorMetadata(reqs_to_save=[SaveSpec(req_id="p1", block_ids=P_BLOCKS, num_tokens=N,
                                                         mode=p_choice, transfer_id=tid, token=token,
                                                         auto_reason=reason)]))
-    auto: dict[str, tuple[str, str]] = {}
+    auto: dict[str, tuple[str, str, str]] = {}
     merged: set[str] = set()
     done: set[str] = set()
 
@@ -709,7 +709,7 @@ def test_concurrent_auto_pull_is_sized_and_served_by_the_mode_p_names(pair, p_ch
         return "d1" in done and (p_choice == "bf16" or "d1" in merged)
 
     poll_until([p, d], finished)
-    assert auto == {"d1": (p_choice, reason)}
+    assert auto == {"d1": (p_choice, reason, p_choice)}
     want = expected(p_caches, p_choice, full=p_choice != "bf16")
     assert all(torch.equal(d_caches[n], want[n]) for n in d_caches)
     if p_choice == "bf16":  # the passthrough: P's full blocks, bit for bit
