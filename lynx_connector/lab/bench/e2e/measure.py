@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lynx_connector.lab.bench.e2e import choices
-from lynx_connector.lab.bench.e2e.plan import ModelShape, Plan, cell_ideals, cell_limits, quantile, wire_bytes
+from lynx_connector.lab.bench.e2e.plan import ModelShape, Plan, quantile, ttft_floors, wire_bytes
 from lynx_connector.logger import init_logger
 from lynx_connector.modes import AUTO_MODE, get_mode
 
@@ -274,7 +274,6 @@ def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbp
     first, total = ((list(x) for x in zip(*(wire_bytes(m, r["prompt_tokens"], shape, cache_dtype)
                                               for m, r in zip(modes, got, strict=True)), strict=True))
                     if known else ([], []))
-    ideals = cell_ideals(prefill_s, first, link_gbps, conc, batches) if known else []
     row: dict[str, Any] = {"mode": mode, "rate_label": label, "link_gbps": link_gbps, "concurrency": conc,
                            "prompt_tokens": round(statistics.mean(r["prompt_tokens"] for r in got)),
                            "nominal_tokens": nominal, "n": len(got), "errors": len(got) - len(ok),
@@ -288,17 +287,12 @@ def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbp
     row["wire_bytes_measured"] = round(measured / len(got)) if measured else None
     row["bits_per_value"] = (8 * row["wire_bytes"] / (2 * shape.layers * shape.kv_heads * shape.head_dim
                                                         * row["prompt_tokens"]) if total else None)
-    row["ideal_ttft_s"] = quantile(ideals, 0.5)
-    row["ttft_vs_ideal"] = (row["ttft_s_median"] / row["ideal_ttft_s"]
-                            if row["ttft_s_median"] and row["ideal_ttft_s"] else None)
     # the pipelined limit: max(prefill, needed bytes / link) + one decode step (D's, from this cell's own
     # 32nd..64th tokens)
     steps = [(r["tt64_s"] - r["tt32_s"]) / 32 for r in ok if r["tt64_s"] is not None and r["tt32_s"] is not None]
     row["decode_step_s"] = quantile(steps, 0.5)
-    row["limit_ttft_s"] = (quantile(cell_limits(prefill_s, first, link_gbps, conc, row["decode_step_s"] or 0.0,
-                                                batches), 0.5) if known else None)
-    row["ttft_vs_limit"] = (row["ttft_s_median"] / row["limit_ttft_s"]
-                            if row["ttft_s_median"] and row["limit_ttft_s"] else None)
+    row.update(ttft_floors(row["ttft_s_median"], prefill_s, first if known else None, link_gbps, conc,
+                           row["decode_step_s"], batches))
     drafted = delta.get("lynx_drafted") or delta.get("vllm_drafted") or 0.0
     accepted = delta.get("lynx_accepted") if delta.get("lynx_drafted") else delta.get("vllm_accepted", 0.0)
     # speculation figures for the cells that speculate: speculative, and auto when P chose speculative for some

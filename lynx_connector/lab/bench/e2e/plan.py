@@ -133,6 +133,19 @@ def cell_ideals(prefill_s: float, first_bytes: list[int], link_gbps: float | Non
             for t in ideal_ttfts(prefill_s, group, link_gbps)]
 
 
+def ttft_floors(ttft_s: float | None, prefill_s: float, first_bytes: list[int] | None, link_gbps: float | None,
+                conc: int, step_s: float | None, batches: int = 1) -> dict[str, float | None]:
+    """A row's ideal and pipelined limit TTFT (medians over the cell's requests: :func:`cell_ideals`,
+    :func:`cell_limits`) and its measured median TTFT over each; all None when a request's needed bytes are
+    unknown (``first_bytes`` None: an auto request whose choice is)."""
+    ideal = limit = None
+    if first_bytes is not None:
+        ideal = quantile(cell_ideals(prefill_s, first_bytes, link_gbps, conc, batches), 0.5)
+        limit = quantile(cell_limits(prefill_s, first_bytes, link_gbps, conc, step_s or 0.0, batches), 0.5)
+    return {"ideal_ttft_s": ideal, "ttft_vs_ideal": ttft_s / ideal if ttft_s and ideal else None,
+            "limit_ttft_s": limit, "ttft_vs_limit": ttft_s / limit if ttft_s and limit else None}
+
+
 def ref_bf16_bytes(num_tokens: int, shape: ModelShape) -> int:
     """Bytes of a 16-bit BF16 transfer of ``num_tokens`` tokens (K and V, every layer): what defines a regime."""
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * REF_BYTES_PER_VALUE * num_tokens

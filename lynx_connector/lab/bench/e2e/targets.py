@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from lynx_connector.lab.bench.e2e.plan import ModelShape, cell_ideals, cell_limits, quantile, wire_bytes
+from lynx_connector.lab.bench.e2e.plan import ModelShape, ttft_floors, wire_bytes
 from lynx_connector.modes import AUTO_MODE
 
 TARGETS = {
@@ -106,11 +106,8 @@ def concurrency_checks(rows: list[dict]) -> list[dict[str, Any]]:
         if (i8["mode"] != "int8" or i8["concurrency"] <= 1 or i8.get("target_ratio") is None
                 or i8["target_ratio"] < CONC_MIN_RATIO):
             continue
-        flow = i8.get("flow", "sequential")
-        same = {r["mode"]: r for r in rows if r["rate_label"] == i8["rate_label"]
-                and r["concurrency"] == i8["concurrency"] and r.get("nominal_tokens") == i8.get("nominal_tokens")
-                and r.get("flow", "sequential") == flow}
-        where = f"conc {i8['concurrency']}, {flow} proxy"
+        same = _same_cell(rows, i8)
+        where = f"conc {i8['concurrency']}, {i8.get('flow', 'sequential')} proxy"
         out.append(_check(i8["rate_label"], f"full TTFT / int8 TTFT ({where})",
                           _over(same.get("full"), i8, "ttft_s_median"), "<=", TARGETS["conc_full_vs_int8"]))
         out.append(_check(i8["rate_label"], f"speculative TT32T / int8 TT32T ({where})",
@@ -120,6 +117,13 @@ def concurrency_checks(rows: list[dict]) -> list[dict[str, Any]]:
             out.append(_check(i8["rate_label"], f"int8 TTFT / ideal ({where})", i8.get("ttft_vs_ideal"), "<=",
                               TARGETS["conc4_int8_vs_ideal"]))
     return out
+
+
+def _same_cell(rows: list[dict], row: dict) -> dict[str, dict]:
+    """The rows of ``row``'s cell (regime, concurrency, prompt length, flow), by mode."""
+    return {r["mode"]: r for r in rows if r["rate_label"] == row["rate_label"]
+            and r["concurrency"] == row["concurrency"] and r.get("nominal_tokens") == row.get("nominal_tokens")
+            and r.get("flow", "sequential") == row.get("flow", "sequential")}
 
 
 def _over(row: dict | None, base: dict, key: str) -> float | None:
@@ -135,10 +139,8 @@ def auto_checks(rows: list[dict]) -> list[dict[str, Any]]:
     for a in rows:
         if a["mode"] != AUTO_MODE:
             continue
-        same = {r["mode"]: r for r in rows if r["mode"] in AUTO_RIVALS and r["rate_label"] == a["rate_label"]
-                and r["concurrency"] == a["concurrency"] and r.get("nominal_tokens") == a.get("nominal_tokens")
-                and r.get("flow", "sequential") == a.get("flow", "sequential")}
-        timed = {m: r["ttft_s_median"] for m, r in same.items() if r["ttft_s_median"] is not None}
+        timed = {m: r["ttft_s_median"] for m, r in _same_cell(rows, a).items()
+                 if m in AUTO_RIVALS and r["ttft_s_median"] is not None}
         missing = [m for m in AUTO_RIVALS if m not in timed]
         best = min(timed, key=lambda m: timed[m]) if timed else None
         what = (f"auto TTFT / best fixed TTFT ({best if best else 'none'}; conc {a['concurrency']}, "
@@ -201,21 +203,12 @@ def rederive_ideals(result: dict[str, Any]) -> None:
                 and r["concurrency"] == row["concurrency"] and r["nominal_tokens"] == row["nominal_tokens"]
                 and r.get("flow") == row.get("flow")]
         modes = [r.get("auto_mode") if row["mode"] == AUTO_MODE else row["mode"] for r in reqs]
-        if any(m is None for m in modes):  # an auto request whose choice is unknown
-            row["ideal_ttft_s"] = row["ttft_vs_ideal"] = None
-            row["limit_ttft_s"] = row["ttft_vs_limit"] = None
-            continue
-        first = [wire_bytes(m, r["prompt_tokens"], shape, result.get("cache_dtype", "float32"))[0]
-                 for m, r in zip(modes, reqs, strict=True)]
-        batches = row.get("batches", 1)
-        ideals = cell_ideals(row["prefill_s"], first, row["link_gbps"], row["concurrency"], batches)
-        row["ideal_ttft_s"] = quantile(ideals, 0.5)
-        row["ttft_vs_ideal"] = (row["ttft_s_median"] / row["ideal_ttft_s"]
-                                if row["ttft_s_median"] and row["ideal_ttft_s"] else None)
-        if "decode_step_s" in row:
-            limits = cell_limits(row["prefill_s"], first, row["link_gbps"], row["concurrency"],
-                                 row["decode_step_s"] or 0.0, batches)
-            row["limit_ttft_s"] = quantile(limits, 0.5)
-            row["ttft_vs_limit"] = (row["ttft_s_median"] / row["limit_ttft_s"]
-                                    if row["ttft_s_median"] and row["limit_ttft_s"] else None)
+        known = all(m is not None for m in modes)  # else an auto request whose choice is unknown
+        first = ([wire_bytes(m, r["prompt_tokens"], shape, result.get("cache_dtype", "float32"))[0]
+                  for m, r in zip(modes, reqs, strict=True)] if known else None)
+        floors = ttft_floors(row["ttft_s_median"], row["prefill_s"], first, row["link_gbps"], row["concurrency"],
+                             row.get("decode_step_s"), row.get("batches", 1))
+        if known and "decode_step_s" not in row:  # written before the limit existed: its ideal only
+            floors = {k: floors[k] for k in ("ideal_ttft_s", "ttft_vs_ideal")}
+        row.update(floors)
     result["checks"] = evaluate_targets(result["rows"], result["config"]["ratios"])
