@@ -112,6 +112,7 @@ class TransferScheduler:
         self.hold_until = 0.0  # set by the owner: split anchors it knows are coming (regions not yet known)
         self._emitted = False
         self._accounted_at = clock()
+        self._counted_until = -float("inf")  # the last moment counted as link time (reads in flight)
         self.stats = SchedulerStats()
         rate = config.link_bytes_per_s
         # A speculative (split) request's residual fills the link while its anchor waits for P (layer-wise publish)
@@ -239,20 +240,28 @@ class TransferScheduler:
         except Exception as exc:
             self.fail(job.req_id, f"NIXL READ of {job.stream} from {job.peer} failed: {exc}")
             return
+        was_idle = self.inflight_bytes == 0
         self._account(now)
+        due = 0.0 if self._link is None else self._link.reserve(n, now, self._backlogged)
+        self._backlogged = False
+        if was_idle and self._link is not None:
+            # a caught-up chunk started on the emulated link when it freed, before this (late) post: its link
+            # time from then counts too, or the meter reads less than its bytes at the link's rate
+            back = max(due - n / self._link.rate, self._counted_until)
+            if min(now, due) > back:
+                job.link_s += min(now, due) - back
+                self._counted_until = min(now, due)
         job.inflight += n
         self.inflight_bytes += n
         self.stats.max_inflight_bytes = max(self.stats.max_inflight_bytes, self.inflight_bytes)
-        due = 0.0 if self._link is None else self._link.reserve(n, now, self._backlogged)
-        self._backlogged = False
         entry = _Inflight(job, handle, n, now, due)
         self._inflight.append(entry)
         if state == "DONE" and entry.t_due > self._clock():
             entry.state = state  # moved (cma is synchronous), but not yet on the emulated link
         elif state != "PROC":
             done_at = self._clock()
-            self._account(done_at)
-            self._inflight.remove(entry)
+            entry.state = state
+            self._settle([entry], done_at)
             self._complete(entry, state, done_at)
 
     def _account(self, now: float) -> None:
@@ -264,8 +273,24 @@ class TransferScheduler:
             return
         self._accounted_at = now
         if self.inflight_bytes > 0:
+            self._counted_until = now
             for f in self._inflight:
                 f.job.link_s += dt * f.nbytes / self.inflight_bytes
+
+    def _settle(self, entries: list[_Inflight], now: float) -> None:
+        """Take settled chunks out of flight (and of the link time), each at the moment it stopped taking the
+        link: on the emulated link, a chunk whose read had finished by its delivery leaves then, not when D
+        got round to reaping it (a late wake-up on the loaded box is no link time)."""
+        def left_at(f: _Inflight) -> float:
+            if self._link is not None and f.state == "DONE":
+                return min(now, max(f.t_due, f.t_post))
+            return now
+
+        for f in sorted(entries, key=left_at):
+            self._account(left_at(f))
+            self._inflight.remove(f)
+            self.inflight_bytes -= f.nbytes
+        self._account(now)
 
     def _reap(self, now: float) -> None:
         settled: list[tuple[_Inflight, str]] = []
@@ -286,21 +311,18 @@ class TransferScheduler:
                 entry.state = state  # the emulated link has not delivered it yet
                 continue
             settled.append((entry, state))
-        if settled:  # the shares stay constant until the set in flight changes: account only before it does
-            self._account(now)
+        if settled:  # the shares stay constant until the set in flight changes: account only when it does
+            self._settle([entry for entry, _ in settled], now)
         # Chunks found settled in one pass completed in no order we can know (UCX does not order READ
         # completions); settle anchors first, so that when both streams of a request finish in one pass the
         # anchor's event comes first, as the priority order promises.
         for entry, state in sorted(settled, key=lambda es: es[0].job.stream != ANCHOR):
-            if entry in self._inflight:
-                self._inflight.remove(entry)
-                self._complete(entry, state, now)
+            self._complete(entry, state, now)
 
     def _complete(self, entry: _Inflight, state: str, now: float) -> None:
-        job = entry.job
+        job = entry.job  # out of flight already (_settle)
         self._release(entry.handle)
         job.inflight -= entry.nbytes
-        self.inflight_bytes -= entry.nbytes
         if job.finished:
             return
         if state != "DONE":
