@@ -30,12 +30,10 @@ import sys
 
 import torch
 
+from lynx_connector.lab.data import first_difference
+
 LYNX_DEFAULT = "lynx default (LYNX_DEFAULTS)"
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
-
-
-def first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
 def gate_outcome(div: int, margins: list[float], tau: float, cap: int) -> tuple[int, int]:

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from lynx_connector.lab.data import first_difference
+
 HEAD_DIM, TOKENS_FOR_BITS, BUDGET_BITS, FULL_TARGET = 64, 1024, 4.6, 5e-5
 EXACT = "exact"  # the greedy tokens on the exact prompt KV, beside the candidates' (:func:`agreement`)
 
@@ -353,10 +355,6 @@ def divergences(seqs: dict[str, list[list[int]]], reference: str = "") -> dict[s
     ref = seqs[reference or EXACT]
     return {name: [first_difference(a, r) for a, r in zip(got, ref, strict=True)]
             for name, got in seqs.items() if name != EXACT}
-
-
-def first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
 def markdown(result: dict) -> str:

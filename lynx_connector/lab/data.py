@@ -183,6 +183,12 @@ def needle_found(expected: str, generated: str) -> bool:
     return re.search(rf"(?<!\d){re.escape(expected)}(?!\d)", generated) is not None
 
 
+def first_difference(a: list[int], b: list[int]) -> int:
+    """How many greedy tokens two equally long generations share before they first differ (all of them if none
+    does): the anchor benchmarks' agreement measure."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
 @dataclass(frozen=True)
 class SummaryPrompt:
     """A long-answer trial: ``context_tokens`` of essays starting at essay ``seed`` (mod the number of essays),
