@@ -338,8 +338,32 @@ def test_concurrency_targets_of_issue_16_judged_per_cell() -> None:
         ("10x", "full TTFT / int8 TTFT (conc 8, pipelined proxy)"): (pytest.approx(1.0), True),
         ("10x", "speculative TT32T / int8 TT32T (conc 8, pipelined proxy)"): (None, None),  # not run
     }
+    floors = {c["metric"]: c.get("floor") for c in evaluate_targets(rows, [0.5, 10]) if "TT32T" in c["metric"]}
+    assert floors["speculative TT32T / int8 TT32T (conc 4, pipelined proxy)"] == pytest.approx(10.5 / 12.0)
+    assert floors["speculative TT32T / int8 TT32T (conc 8, pipelined proxy)"] is None  # no speculative row
     assert [_check_value({"value": v, "target": 1.0}) for v in (1.0004, 0.996, 1.05, 1.0, None)] == \
         ["1.0004", "0.996", 1.05, 1.0, None]
     only_10x = evaluate_targets([r for r in rows if r["target_ratio"] == 10], [10])
     assert not [c for c in only_10x if "int8 TTFT" in c["metric"] and "conc" not in c["metric"]
                 and c["metric"].startswith(("full", "speculative"))]
+
+
+def test_speculative_tt32t_target_is_judged_against_what_exactness_allows() -> None:
+    """The 32nd token waits for the residual: full TTFT / int8 TT32T floors the ratio for any anchor. Over the
+    target, the verdict says the target is unreachable while exact; under it, how many tokens per request must have
+    been held on the anchor and accepted (31 - slack in decode steps), against those accepted."""
+    from lynx_connector.lab.bench.e2e.targets import exact_floor
+    from lynx_connector.lab.bench.report import _verdict
+
+    i8 = {"mode": "int8", "ttft_s_median": 10.0, "tt32_s_median": 12.0, "decode_step_s": 0.1}
+    spec = {"mode": "speculative", "tt32_s_median": 11.5, "decode_step_s": 0.05, "accepted": 30, "n": 4}
+    near = exact_floor({"ttft_s_median": 10.5}, spec, i8, 0.9)
+    # floor 10.5 / 12; slack (0.9 * 12 - 10.5) / 0.05 = 6 steps: 25 of the 31 later tokens held and accepted
+    assert near == {"floor": pytest.approx(0.875), "accepted_per_request": 7.5, "needs_accepted": 25}
+    far = exact_floor({"ttft_s_median": 11.4}, spec, i8, 0.9)
+    assert far == {"floor": pytest.approx(0.95), "accepted_per_request": 7.5}
+    assert exact_floor(None, spec, i8, 0.9) == {} and exact_floor({"ttft_s_median": 10.5}, None, i8, 0.9) == {}
+    check = {"value": 11.5 / 12.0, "target": 0.9, "pass": False, "op": "<="}
+    assert _verdict({**check, **far}) == "FAIL (floor 0.95: unreachable while exact)"
+    assert _verdict({**check, **near}) == "FAIL (floor 0.88; needs 25 accepted/request, had 7.5)"
+    assert _verdict(check) == "FAIL" and _verdict({**check, "note": "not run"}) == "not run"

@@ -18,7 +18,8 @@ essays), every transfer mode on one P/D pair (each request names its mode), the 
    ``--batches`` each round on its own), and measured/ideal, so every overhead is visible.
 5. Each result carries its target checks (``targets.evaluate_targets``): the concurrency-1 targets of the
    earlier issues and, per cell at concurrency above 1, issue 16's (full and speculative against int8, auto
-   against the best fixed mode).
+   against the best fixed mode); a speculative TT32T check also says what exact outputs allow in its cell
+   (``targets.exact_floor``: full TTFT / int8 TT32T, and the accepted tokens per request the target needs).
 
 "bf16" is the passthrough of the cache dtype: the CPU servers keep an fp32 cache, so it moves 32 bits/value,
 twice the 16-bit BF16 bytes that define the regimes.

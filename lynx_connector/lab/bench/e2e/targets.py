@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -110,12 +111,34 @@ def concurrency_checks(rows: list[dict]) -> list[dict[str, Any]]:
         where = f"conc {i8['concurrency']}, {i8.get('flow', 'sequential')} proxy"
         out.append(_check(i8["rate_label"], f"full TTFT / int8 TTFT ({where})",
                           _over(same.get("full"), i8, "ttft_s_median"), "<=", TARGETS["conc_full_vs_int8"]))
-        out.append(_check(i8["rate_label"], f"speculative TT32T / int8 TT32T ({where})",
-                          _over(same.get("speculative"), i8, "tt32_s_median"), "<=",
-                          TARGETS["conc_spec_tt32_vs_int8"]))
+        spec = _check(i8["rate_label"], f"speculative TT32T / int8 TT32T ({where})",
+                      _over(same.get("speculative"), i8, "tt32_s_median"), "<=", TARGETS["conc_spec_tt32_vs_int8"])
+        spec.update(exact_floor(same.get("full"), same.get("speculative"), i8, TARGETS["conc_spec_tt32_vs_int8"]))
+        out.append(spec)
         if i8["concurrency"] == 4:  # the issue's ideal (the table's TTFT/limit is the pipelined flow's own floor)
             out.append(_check(i8["rate_label"], f"int8 TTFT / ideal ({where})", i8.get("ttft_vs_ideal"), "<=",
                               TARGETS["conc4_int8_vs_ideal"]))
+    return out
+
+
+def exact_floor(full: dict | None, spec: dict | None, i8: dict, target: float) -> dict[str, Any]:
+    """What exact outputs allow the speculative TT32T / int8 TT32T ratio in one cell, from its medians. The 32nd
+    token is released no sooner than the residual has landed and one verification step has run: when full mode,
+    which waits for the same bytes, releases its first token. So ``floor`` = full TTFT / int8 TT32T bounds the
+    ratio from below for any anchor and any gate. When the floor is under ``target``, the residual landing then
+    still leaves tokens to decode one step each: ``needs_accepted`` = 31 - (target x int8 TT32T - full TTFT) /
+    step tokens must have been held on the anchor and accepted per request (step: the cell's decode step), against
+    the ``accepted_per_request`` measured. Empty when full or the speculative row is missing."""
+    if not (full and spec and full.get("ttft_s_median") and i8.get("tt32_s_median")):
+        return {}
+    out: dict[str, Any] = {"floor": full["ttft_s_median"] / i8["tt32_s_median"]}
+    step = spec.get("decode_step_s") or i8.get("decode_step_s")
+    if spec.get("accepted") is not None and spec.get("n"):
+        out["accepted_per_request"] = spec["accepted"] / spec["n"]
+    if out["floor"] <= target and step:
+        after_first = 31  # the tokens of a TT32T after the first, one decode step each unless held and accepted
+        slack = (target * i8["tt32_s_median"] - full["ttft_s_median"]) / step
+        out["needs_accepted"] = max(0, math.ceil(after_first - slack))
     return out
 
 
