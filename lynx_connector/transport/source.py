@@ -214,6 +214,10 @@ class TransferSource(SourceAnswers, SideChannelServer):
         """Give up on a request: free what it holds; D's queries for it get ``Error(code, message)``."""
         with self._lock:
             entry = self._entries.get(req_id)
+            orphan = self._orphans.pop(req_id, None)
+        if orphan is not None:  # D freed it while P encoded (its Done, or the lease): P stops writing now
+            self._free_orphan(req_id, orphan)
+            return
         self._free(req_id, "abort")
         if entry is None:
             return

@@ -321,6 +321,22 @@ def test_a_source_refuses_a_mode_name_that_regions_could_not_carry(pair) -> None
     assert src.stats()["requests_live"] == 0
 
 
+def test_p_whose_encode_fails_after_d_gave_up_frees_its_staging(pair) -> None:
+    """D's Done comes while P still encodes (the staging is kept for the writer), then P's encode fails and it
+    rejects the request instead of publishing it: the staging must be freed then, not held for good."""
+    src, sink = pair
+    src.alloc("p", A, R)
+    src.publish_partial("p", _layer(A, 0).stop, _layer(R, 0).stop)
+    loc = sink.pool.alloc_request("d", A, R)
+    sink.pull("d", *src.address, *src.ticket("p"), loc.anchor, loc.residual)
+    collect(sink, 2, timeout=6.0)
+    wait_for(lambda: src.stats()["freed_done"] == 1)
+    assert src.stats()["requests_live"] == 1 and src.stats()["bytes_allocated"] > 0  # kept for the writer
+    src.reject("p", "encode", "the encoder failed")  # what the worker does when an encode raises
+    assert src.stats()["requests_live"] == 0 and src.stats()["bytes_allocated"] == 0
+    assert src.stats()["regions_live"] == 0
+    sink.pool.free_request("d")
+
 def test_concurrent_flow_fails_after_timeout_s_when_p_answers_nothing(fabric: FakeFabric) -> None:
     """A P that answers nothing at all (a closed port on 127.0.0.1 here; a cut link in tests/deploy) fails a
     concurrent-flow pull after timeout_s, not after its long wait for P to get the request."""
