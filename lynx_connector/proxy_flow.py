@@ -39,8 +39,9 @@ from lynx_connector.auto import AUTO_KEY
 from lynx_connector.concurrent import PrefillEndpoint, decode_params, mint, prefill_params
 from lynx_connector.logger import init_logger
 from lynx_connector.modes import AUTO_MODE
-from lynx_connector.proxy_http import Passthrough, ProxyError
+from lynx_connector.proxy_http import Passthrough, ProxyError, error_response
 from lynx_connector.proxy_upstream import Call, build_decode_request, decode, prefill
+from lynx_connector.signing import ParamsRefused
 from lynx_connector.trace import trace
 
 logger = init_logger(__name__)
@@ -105,8 +106,16 @@ async def serve_pipelined(session: aiohttp.ClientSession, book: FlowBook, prefil
     D's answer is the client's."""
     assert book.signer is not None
     transfer_id, token = mint()
-    p_params = book.signer.sign(prefill_params(transfer_id, token, mode))
-    d_params = book.signer.sign(decode_params(endpoint, call.request_id, transfer_id, token, mode))
+    try:  # a client's mode the params cannot carry (ParamsRefused): refused here, as P and D would refuse it
+        p_params = book.signer.sign(prefill_params(transfer_id, token, mode))
+        d_params = book.signer.sign(decode_params(endpoint, call.request_id, transfer_id, token, mode))
+    except ParamsRefused as exc:
+        prefill_slots.release(p_url)
+        logger.info("request %s refused: %s", call.request_id, exc)
+        return error_response(400, f"kv_transfer_params refused: {exc}", call.request_id)
+    except BaseException:
+        prefill_slots.release(p_url)
+        raise
     p_call = Call(call.request_id)
     call.trace_key = transfer_id
     trace("proxy", transfer_id, "start", mode=mode)

@@ -194,3 +194,27 @@ def test_client_leaving_cancels_p_and_d_and_the_next_request_reaches_both(monkey
     run_scenario([p], [d], scenario, flow="pipelined")
     assert len(p.arrived) == len(d.arrived) == 4
     assert p.cancelled == 2 and d.cancelled == 2
+
+
+def test_a_mode_the_params_cannot_carry_is_refused_and_frees_p_slot(monkeypatch) -> None:
+    """A client's ``lynx_mode`` longer than signed params carry: 400 for that request, and P's admission slot is
+    given back (``--max-inflight 1``: the next requests would wait for it until the queue timeout)."""
+    _with_key(monkeypatch)
+    p, d = TimedFake("prefill"), TimedFake("decode")
+    bad = {**BODY, "kv_transfer_params": {"lynx_mode": "x" * 5000}}
+
+    async def scenario(session, url):
+        async with _post(session, url, BODY) as resp:  # the proxy learns P
+            assert resp.status == 200
+        for _ in range(3):
+            async with _post(session, url, bad) as resp:
+                assert resp.status == 400, await resp.text()
+                assert "kv_transfer_params refused" in (await resp.json())["error"]["message"]
+        async with _post(session, url, BODY) as resp:
+            assert resp.status == 200, await resp.text()
+        async with session.get(url + "/lynx/stats") as resp:
+            stats = await resp.json()
+        assert stats["flows"]["pipelined"] == 4, stats
+
+    run_scenario([p], [d], scenario, flow="pipelined", max_inflight=1, max_queued=1, queue_timeout_s=2.0)
+    assert len(p.received) == len(d.received) == 2  # the refused ones reached neither server
