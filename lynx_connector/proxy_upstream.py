@@ -191,7 +191,10 @@ async def decode(session: aiohttp.ClientSession, call: Call, url: str, request: 
 async def _relay_stream(call: Call, request: web.Request, resp: aiohttp.ClientResponse, content_type: str,
                         gate: Callable[[], Awaitable[None]] | None = None) -> web.StreamResponse:
     if gate is not None:  # nothing reaches the client before the gate opens
-        first = await resp.content.readany()
+        try:
+            first = await resp.content.readany()
+        except (TimeoutError, aiohttp.ClientError) as e:  # D failed before its first byte: as a non-stream read
+            raise transport_error("decode", call.server or "decode server", e) from e
         trace("proxy", call.trace_key or call.request_id, "d_first_bytes")
         await gate()
         trace("proxy", call.trace_key or call.request_id, "gate_open")

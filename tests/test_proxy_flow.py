@@ -218,3 +218,34 @@ def test_a_mode_the_params_cannot_carry_is_refused_and_frees_p_slot(monkeypatch)
 
     run_scenario([p], [d], scenario, flow="pipelined", max_inflight=1, max_queued=1, queue_timeout_s=2.0)
     assert len(p.received) == len(d.received) == 2  # the refused ones reached neither server
+
+
+class DiesAfterHeaders(TimedFake):
+    """A D that sends its stream's headers for the second request and then drops the connection."""
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        if not self.received:
+            return await super().generate(request)
+        self.received.append(await request.json())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+
+
+def test_d_that_fails_before_its_first_byte_is_a_clear_error(monkeypatch) -> None:
+    """Pipelined stream: D answers 200 and dies before its first byte (the proxy waits on it before P's verdict
+    opens the stream): the client gets the proxy's JSON 503 naming the decode server, not a bare 500."""
+    _with_key(monkeypatch)
+    p, d = TimedFake("prefill"), DiesAfterHeaders("decode")
+
+    async def scenario(session, url):
+        async with _post(session, url, BODY) as resp:
+            assert resp.status == 200
+        async with _post(session, url, {**BODY, "stream": True}) as resp:
+            assert resp.status == 503, await resp.text()
+            assert "decode server unavailable" in (await resp.json())["error"]["message"]
+
+    run_scenario([p], [d], scenario, flow="pipelined")
