@@ -341,6 +341,29 @@ def test_abort_and_cancel_release_staging(pair, outcome):
     assert_staging_freed(p, d)
 
 
+@pytest.mark.parametrize("end", ["residual_merged", "residual_failed"])
+def test_a_request_finished_in_the_step_its_residual_ended_still_frees_its_blocks(pair, end):
+    """vLLM calls request_finished before it hands the scheduler half the step's worker meta: a speculative request
+    that stops (P's first token, max_tokens) in the step its residual merged or failed is still pending there, so
+    it keeps its blocks and asks the worker (recv_aborted) for a finished_recving. The worker's pull is over by
+    then: it must still report the request, or vLLM holds its blocks and the request for good."""
+    make, _ = pair
+    (p, _), (d, _) = make("kv_producer"), make("kv_consumer", residual_grace_s=0)
+    paced_events(d, 1)
+    publish(p, "speculative")
+    hooks = {"fail_residual": True} if end == "residual_failed" else {"delay_residual_steps": 2}
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, "speculative")], test_hooks={"d1": hooks}))
+    done: set[str] = set()
+    poll_until([p, d], lambda: done.update(d.take_results()[0]) or "d1" in done)  # running on its anchor
+    ended: set[str] = set()
+    poll_until([p, d], lambda: ended.update(getattr(d.take_worker_meta(), end, ())) or "d1" in ended)
+    assert d.take_results() == (set(), set())
+    d.start_load(LynxConnectorMetadata(recv_aborted=["d1"]))  # the scheduler half's request_finished
+    assert d.take_results() == ({"d1"}, set())  # vLLM frees the blocks now
+    d.start_load(LynxConnectorMetadata(recv_aborted=["d1"]))
+    assert d.take_results() == (set(), set())  # once
+    assert_staging_freed(p, d)
+
 def test_corrupt_residual_fault_injection_changes_the_merge(pair):
     make, _ = pair
     (p, p_caches), (d, d_caches) = make("kv_producer"), make("kv_consumer", fault_injection="corrupt_residual")
