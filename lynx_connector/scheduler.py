@@ -284,10 +284,12 @@ class LynxConnectorScheduler:
 
     def _discard_unpulled(self, request: Request, params: dict[str, Any]) -> None:
         """D: a request that ended before its pull was set up (aborted while waiting, e.g. its client left):
-        an empty load tells the worker to free P's staging now instead of at P's lease."""
+        an empty load tells the worker to free P's staging now instead of at P's lease. Only for params that verify:
+        a client's unsigned ones must not make D connect anywhere (P's lease frees what they might name)."""
         try:
+            self._signer.verify(params)
             remote = RemotePrefill.from_params(params, request.request_id)
-        except InvalidTransferParams:
+        except (ParamsRefused, InvalidTransferParams):
             return
         self._recv_pending.append(RecvSpec(
             req_id=request.request_id, block_ids=[], num_tokens=0, skip_blocks=0, remote_host=remote.host,

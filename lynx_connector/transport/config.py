@@ -68,6 +68,8 @@ class TransportConfig:
     unknown_grace_s: D gives up on a request P keeps calling unknown for this long (P publishes a request
         before it answers for it, so "unknown" is final once any message reordering is over), not at timeout_s.
     status_path: write the endpoint's live counters to this JSON file about once a second (None = off).
+    peer_idle_s: D closes its connection to a peer it has had nothing to pull from or tell (no pull, no Done owed)
+        for this long: a prefill pod that went away, or one that never answered, holds no socket for good.
     pipeline_poll_s: pipelined transfer (docs/PROTOCOL.md section 6): D asks P again this often for the rest of
         a request P has published in part (layer by layer), and at most this long apart for a request P does not
         know yet in the concurrent flow (the proxy sent it to P and D at once).
@@ -97,6 +99,7 @@ class TransportConfig:
     retry_max_s: float = 0.1
     reconnect_s: float = 2.0
     unknown_grace_s: float = 2.0
+    peer_idle_s: float = 300.0
     status_path: str | None = None
     pipeline_poll_s: float = 0.01
     key: bytes | None = field(default=None, repr=False)
@@ -114,7 +117,7 @@ class TransportConfig:
         if self.order not in ORDERS:
             raise ValueError(f"TransportConfig.order must be one of {', '.join(ORDERS)}, got {self.order!r}")
         for name in ("lease_s", "timeout_s", "retry_s", "catch_up_s", "resend_s", "retry_max_s", "reconnect_s",
-                     "unknown_grace_s", "pipeline_poll_s", "max_wait_s"):
+                     "unknown_grace_s", "pipeline_poll_s", "max_wait_s", "peer_idle_s"):
             _positive_float(name, getattr(self, name))
         for name in ("target_progress_s", "anchor_holdoff_s"):
             val = getattr(self, name)

@@ -88,6 +88,14 @@ class ControlTimers:
         if nxt is not None:
             timers.append(nxt)
         for peer in list(self._peers.values()):
+            if not self._pulls_of(peer) and not self._courier.owed_to(peer.addr):
+                idle_since = max(peer.heard_at, peer.asked_at, peer.opened_at)
+                if now - idle_since >= cfg.peer_idle_s:  # gone, or never answered: its socket is not kept
+                    logger.debug("lynx sink: closing the idle connection to peer %s", peer.name)
+                    del self._peers[peer.addr]
+                    self._drop_peer_resources(peer)
+                    continue
+                timers.append(idle_since + cfg.peer_idle_s)
             nxt = self._keep_alive(peer, now)
             if nxt is not None:
                 timers.append(nxt)

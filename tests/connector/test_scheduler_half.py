@@ -181,6 +181,19 @@ def test_decode_side_abort_in_flight_holds_blocks_until_worker_confirms():
     assert s.build_connector_meta(sched_out()).recv_aborted == ["d-3"]
 
 
+def test_decode_side_abort_before_scheduling_tells_p_only_for_params_that_verify():
+    """A request aborted while still waiting (never scheduled, its params never read): D tells the worker to free
+    P's staging at once, but only when the params verify; a client's unsigned ones must not make D connect to the
+    host they name."""
+    good = remote_params(64)
+    for params, tells in ((good, True), ({**good, "remote_host": "127.0.0.9"}, False),
+                          ({k: v for k, v in good.items() if k != "lynx_sig"}, False)):
+        s, _ = make_sched()
+        r = req("d-9", 64, dict(params), status=RequestStatus.FINISHED_ABORTED)
+        assert s.request_finished(r, []) == (False, None)
+        pending = s.build_connector_meta(sched_out()).reqs_to_recv
+        assert [(p.remote_host, p.num_tokens) for p in pending] == ([("10.1.2.3", 0)] if tells else []), params
+
 def test_finished_recving_clears_inflight_and_merged_signal_is_collected():
     s, _ = make_sched()
     r = req("d-4", 64, remote_params(64))

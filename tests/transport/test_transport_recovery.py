@@ -5,6 +5,7 @@ source's reply path; a "paused" P is its service thread held in a lock (its sock
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -284,3 +285,35 @@ def test_dones_owed_to_a_peer_are_due_at_once_when_its_session_resumes() -> None
     assert c.due(1.91) == [(p, ("a" * 32, "t" * 32), (0.5, 4096))]
     c.ack(p, "a" * 32)
     assert c.due(3.05) == [(other, ("b" * 32, "u" * 32), (0.0, 0))]
+
+
+def test_a_peer_d_has_nothing_to_do_with_is_closed_after_peer_idle_s(fabric: FakeFabric) -> None:
+    """D keeps no connection for good: one to a P it has pulled from and owes nothing is closed after peer_idle_s
+    (the next pull handshakes again and succeeds), and so is one to an address where nobody answers (a closed port
+    on 127.0.0.1) once its pull has failed and its Done is no longer owed."""
+    src = TransferSource(TransportConfig(**CFG, timeout_s=3.0), COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
+    # lease_s: how long D owes P a Done (the closed port's, here)
+    sink = TransferSink(TransportConfig(**{**CFG, "lease_s": 2.0}, timeout_s=0.5, resend_s=0.2, reconnect_s=0.8,
+                                        peer_idle_s=1.0), COMPAT, nixl=FakeNixlWrapper(fabric, "D"))
+    try:
+        stage(src, "a", 3000, 2000)
+        pull(sink, src, "a")
+        assert all(e.ok for e in collect(sink, 2))
+        assert sink.stats()["peers"] == 1
+        wait_for(lambda: sink.stats()["peers"] == 0, timeout=5.0)
+        stage(src, "b", 3000, 2000)
+        pull(sink, src, "b")
+        assert all(e.ok for e in collect(sink, 2))
+        sink.pool.free_request("a")
+        sink.pool.free_request("b")
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            closed = s.getsockname()[1]
+        v = sink.pool.alloc_request("c", 3000, 2000)
+        sink.pull("c", "127.0.0.1", closed, "ab" * 16, "cd" * 16, v.anchor, v.residual)
+        assert not any(e.ok for e in collect(sink, 2, timeout=5.0))
+        sink.pool.free_request("c")
+        wait_for(lambda: sink.stats()["peers"] == 0 and sink.stats()["pulls_live"] == 0, timeout=15.0)
+    finally:
+        sink.close()
+        src.close()
