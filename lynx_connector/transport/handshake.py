@@ -24,7 +24,7 @@ logger = init_logger(__name__)
 __all__ = ["SideChannelServer", "MAX_SESSIONS", "MAX_PENDING"]
 
 MAX_SESSIONS = 1024  # authenticated sessions kept (least recently used dropped first)
-MAX_PENDING = 256  # handshakes between Challenge and Auth kept (oldest dropped first)
+MAX_PENDING = 4096  # handshakes between Challenge and Auth kept (oldest dropped first; D tries again)
 PENDING_TTL_S = 30.0
 LOG_CHARS = 200  # log lines about bad frames: truncated, at most one per second per kind
 LOG_EVERY_S = 1.0

@@ -65,6 +65,7 @@ class PeerLink:
         self.opened_at = 0.0  # when the current connection was opened
         self.asked_at = 0.0  # when the first message still awaiting an answer was sent
         self.reconnects = 0
+        self.auth_refusals = 0  # handshakes P refused in a row (replies.py: tried again up to AUTH_RETRIES times)
         self.connects = 0  # TCP connections zmq has established on the current socket
         self.monitor: zmq.Socket | None = None
         self.sock = self._open()

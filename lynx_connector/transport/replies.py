@@ -19,6 +19,9 @@ logger = init_logger(__name__)
 
 __all__ = ["KEY_HINT", "ReplyHandlers"]
 
+#: Handshakes P refuses in a row before D takes it as final (a wrong key, an incompatible peer): one refusal can
+#: be P dropping a pending handshake under a flood of Hellos (handshake.py MAX_PENDING), not a verdict.
+AUTH_RETRIES = 3
 KEY_HINT = ("LYNX_SIDE_CHANNEL_KEY_FILE / LYNX_SIDE_CHANNEL_KEY must hold the same key on every prefill and decode "
             "instance, and insecure_side_channel must be set on both or neither")
 
@@ -55,6 +58,13 @@ class ReplyHandlers:
             # P no longer knows our session (restarted, or dropped it): a fresh connection and full handshake
             self._security["sessions_lost"] += 1
             self._reconnect(peer, time.monotonic(), why="lost our session")
+            return
+        if msg.code == "refused" and peer.state == "auth" and peer.auth_refusals < AUTH_RETRIES:
+            # P may have dropped our handshake before our Auth came (it keeps MAX_PENDING of them: a flood of
+            # Hellos from others evicts the oldest): a fresh connection and handshake. A wrong key is refused again.
+            peer.auth_refusals += 1
+            self._security["handshakes_retried"] += 1
+            self._reconnect(peer, time.monotonic(), why="refused our handshake (trying again, in case P dropped it)")
             return
         if msg.code == "refused":
             what = ("refused our proof of the deployment key or found the KV layout/codec incompatible (P's log "
@@ -109,6 +119,7 @@ class ReplyHandlers:
                 self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]}: bad NIXL metadata: {exc}")
                 return
         peer.state, peer.pool_addr, peer.pool_nbytes = "ready", msg.pool_addr, msg.pool_nbytes
+        peer.auth_refusals = 0
         peer.session_id, peer.lease_s, peer.keepalive_at = msg.session_id, msg.lease_s, 0.0
         self._security["handshakes"] += 1
         logger.info("lynx sink: handshake with %s:%s done (agent %s%s)", *peer.addr, peer.agent,

@@ -108,7 +108,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         self._keepalives = 0
         self._pipelined = 0  # pulls whose transfer started while P was still publishing layers
         self._early = 0  # concurrent-flow pulls (started before P may have had the request)
-        self._security = {"bad_mac": 0, "replayed": 0, "sessions_lost": 0, "handshakes": 0}
+        self._security = {"bad_mac": 0, "replayed": 0, "sessions_lost": 0, "handshakes": 0, "handshakes_retried": 0}
         self._max_in = max(config.max_message_bytes, proto.MAX_MD + 4096)  # a HelloOk carries P's NIXL metadata
         self._init_first_tokens()  # concurrent flow, speculative: P's first token (transport/first_token.py)
         self._stop = False

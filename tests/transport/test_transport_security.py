@@ -117,6 +117,35 @@ def test_outsider_without_the_key_gets_only_refused_and_no_metadata(src: Transfe
     assert st.anchor.numel() == 4096
 
 
+def test_a_hello_flood_from_outsiders_does_not_fail_a_real_d(src: TransferSource, sinks, monkeypatch) -> None:
+    """P keeps a bounded number of handshakes between its Challenge and the Auth (the oldest dropped first): more
+    outsiders' Hellos than that, between a real D's Hello and its Auth, drop D's handshake. D's Auth is then refused
+    like a wrong key's; D tries a fresh handshake (AUTH_RETRIES) and its pull succeeds. A wrong key still fails
+    (test_wrong_key_d_fails_the_handshake_naming_the_key)."""
+    from lynx_connector.transport import handshake
+
+    monkeypatch.setattr(handshake, "MAX_PENDING", 4)
+    real_on_hello = handshake.SideChannelServer._on_hello
+    flooded = [0]
+
+    def on_hello(self, ident, msg):  # right after the first Hello: outsiders' Hellos evict its handshake
+        real_on_hello(self, ident, msg)
+        if not flooded[0]:
+            flooded[0] = 1
+            for i in range(handshake.MAX_PENDING):
+                real_on_hello(self, b"outsider-%d" % i, proto.Hello(v=proto.VERSION, nonce_d=b"X" * 16,
+                                                                      compat_hash="0" * 64))
+
+    monkeypatch.setattr(handshake.SideChannelServer, "_on_hello", on_hello)
+    st = stage(src, "p1", 4096, 0)
+    sink = sinks()
+    loc = sink.pool.alloc_request("d1", 4096, 0)
+    sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, None)
+    (ev,) = collect(sink, 1)
+    assert ev.ok, ev.error
+    assert torch.equal(loc.anchor, st.anchor)
+    assert sink.stats()["handshakes_retried"] == 1 and src.stats()["refused"] == 1
+
 def test_wrong_key_d_fails_the_handshake_naming_the_key(src: TransferSource, sinks) -> None:
     stage(src, "p1", 4096, 0)
     for key in (OTHER_KEY, None):  # another deployment's key, or insecure on D only
