@@ -104,6 +104,9 @@ class LynxConnectorMetadata(KVConnectorMetadata):
     #: D: requests preempted while their residual is still pending (speculative mode): drop their pulls silently,
     #: never write into their old blocks again (those were freed in this step).
     recv_cancelled: list[str] = field(default_factory=list)
+    #: D: speculative requests whose residual every worker has merged, or that failed on one (tensor parallel):
+    #: the workers forget that their pull ended (``recv_aborted`` can no longer ask for it).
+    spec_settled: list[str] = field(default_factory=list)
     #: P: the token sampled after the prompt of each request that finished since the last step, by transfer id:
     #: the worker names it in its side channel's Regions answers (a speculative D of the concurrent flow
     #: releases its first token on it, docs/PROTOCOL.md section 6).
@@ -124,7 +127,7 @@ class LynxWorkerMeta(KVConnectorWorkerMetadata):
     residual_merged: set[str] = field(default_factory=set)
     residual_failed: set[str] = field(default_factory=set)
     #: D, concurrent flow: P's first token of speculative requests, learned from P's side channel since the last
-    #: step (by request id); the scheduler half hands it to the speculative scheduler (``spec_first_token``).
+    #: step (by request id); the scheduler half hands it to the speculative scheduler (``SpecBook.first_token``).
     first_tokens: dict[str, int] = field(default_factory=dict)
     #: P, for ``auto`` (lynx_connector/auto.py): (measured link bytes/s or 0, bytes staged that D has not finished
     #: reading, recent Lynx encode seconds per token or 0); None on steps that carry no new measure.
@@ -133,15 +136,24 @@ class LynxWorkerMeta(KVConnectorWorkerMetadata):
     #: (lynx_connector.auto.AUTO_REASONS), P's choice), by request id.
     auto_modes: dict[str, tuple[str, str, str]] = field(default_factory=dict)
 
+    #: How many workers' metas merged each request (set by ``aggregate``; one worker's meta counts 1 for each).
+    merged_counts: dict[str, int] = field(default_factory=dict)
+
+    def merge_counts(self) -> dict[str, int]:
+        return self.merged_counts or dict.fromkeys(self.residual_merged, 1)
+
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, LynxWorkerMeta):
             return self
-        # With tensor parallelism a request is merged only when every rank has merged its shard; failed as soon
-        # as one rank failed.
-        failed = self.residual_failed | other.residual_failed
+        # With tensor parallelism each rank merges its shard in its own step: the ranks' merges are counted (the
+        # scheduler half sums them over steps, as vLLM counts finished_recving); failed as soon as one rank failed.
+        counts = self.merge_counts()
+        for req_id, n in other.merge_counts().items():
+            counts[req_id] = counts.get(req_id, 0) + n
         # Every rank's P names the same first token (P's scheduler sends it to all its workers): any rank's will do.
-        return LynxWorkerMeta(residual_merged=(self.residual_merged & other.residual_merged) - failed,
-                              residual_failed=failed, first_tokens={**other.first_tokens, **self.first_tokens},
+        return LynxWorkerMeta(residual_merged=set(counts), merged_counts=counts,
+                              residual_failed=self.residual_failed | other.residual_failed,
+                              first_tokens={**other.first_tokens, **self.first_tokens},
                               p_link=self.p_link or other.p_link,  # rank 0's first
                               auto_modes={**other.auto_modes, **self.auto_modes})  # P's scheduler chose once
 

@@ -50,9 +50,9 @@ from lynx_connector.transport import StagingFullError, TransferEvent, TransferSi
 
 logger = init_logger(__name__)
 
-#: Steps a speculative pull's end is remembered for a late recv_aborted (vLLM's scheduler sees the end of a step's
-#: output one step later, two with async scheduling).
-ENDED_STEPS = 8
+#: Speculative pulls' ends remembered for a late recv_aborted, at most (each is forgotten once the scheduler half
+#: names the request in spec_settled, recv_aborted or recv_cancelled).
+MAX_ENDED = 1 << 16
 
 __all__ = ["ReceiveHalf"]
 
@@ -92,8 +92,9 @@ class ReceiveHalf:
         self._residual_failed: set[str] = set()
         self._auto_modes: dict[str, tuple[str, str, str]] = {}  # auto, concurrent flow: served as, P's reason, choice
         # speculative pulls that ended (residual merged or failed) after their anchor was reported, and the step:
-        # vLLM may finish such a request (P's first token stops it) before the scheduler half has seen the end;
-        # it then keeps the blocks for a finished_recving that only recv_aborted can ask for (start_load)
+        # vLLM may finish such a request (P's first token stops it) before the scheduler half has seen the end
+        # (or, tensor parallel, before every worker's end): it then keeps the blocks for a finished_recving that
+        # only recv_aborted can ask for (start_load)
         self._ended_on_anchor: OrderedDict[str, int] = OrderedDict()
 
     def start_load(self, meta: LynxConnectorMetadata) -> None:
@@ -106,13 +107,17 @@ class ReceiveHalf:
                 self._discard(waiting[0])
             elif self._ended_on_anchor.pop(req_id, None) is not None:
                 self._finished_recving.add(req_id)  # its end crossed its finish: vLLM frees its blocks now
-        while self._ended_on_anchor and next(iter(self._ended_on_anchor.values())) < self._step - ENDED_STEPS:
-            self._ended_on_anchor.popitem(last=False)  # the scheduler half saw its end: it asks nothing more
         for req_id in meta.recv_cancelled:
             rec = self._recvs.get(req_id)
             if rec is not None:
-                self._finish_recv(rec, error="preempted while speculating", outcome="cancelled")
+                self._finish_recv(rec, error="cancelled while speculating (preempted, or its residual failed on "
+                                        "another worker)", outcome="cancelled")
             self._recv_waiting.pop(req_id, None)
+            self._ended_on_anchor.pop(req_id, None)
+        for req_id in meta.spec_settled:
+            self._ended_on_anchor.pop(req_id, None)
+        while len(self._ended_on_anchor) > MAX_ENDED:  # a bound only: every entry is settled, aborted or cancelled
+            self._ended_on_anchor.popitem(last=False)
         hooks = meta.test_hooks
         for spec in meta.reqs_to_recv:
             self._start_recv(spec, hooks.get(spec.req_id, {}))

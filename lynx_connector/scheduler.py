@@ -12,7 +12,7 @@ the worker confirms the pull is cancelled, so nothing writes into blocks that we
 
 Speculative mode (D): the request is reported ready when its anchor is merged and the residual keeps
 streaming into the same blocks; ``residual_merged`` / ``residual_failed`` come back through the worker
-metadata and are consumed by :class:`lynx_connector.speculative.scheduler.LynxSpecScheduler` through
+metadata (counted over the workers: lynx_connector/spec_book.py) and are consumed by :class:`lynx_connector.speculative.scheduler.LynxSpecScheduler` through
 :class:`SpeculationPort`, the whole interface between the two (the scheduler enables speculation with it).
 Without that scheduler a speculative request is served as ``full`` (decoding on an unverified anchor would
 return lossy tokens). Until its residual is merged the request's blocks may
@@ -51,6 +51,7 @@ from lynx_connector.signing import (
     check_prompt,
     prompt_digest,
 )
+from lynx_connector.spec_book import SpecBook
 from lynx_connector.stats import LynxStats
 from lynx_connector.testing import fault_hooks
 from lynx_connector.transport.keys import load_side_channel_key
@@ -93,16 +94,12 @@ class LynxConnectorScheduler:
         self._recv_pending: list[RecvSpec] = []
         self._recv_inflight: set[str] = set()
         self._recv_aborted: list[str] = []
-        # Residual-merged signals from the workers (used by the speculative scheduler).
-        self.residual_merged: set[str] = set()
-        # Speculative mode: enabled by LynxSpecScheduler (SpeculationPort.enable); requests whose residual is
-        # still to be merged; residuals that failed after the anchor; pulls to cancel (preempted).
+        # Speculative mode: enabled by LynxSpecScheduler (SpeculationPort.enable); requests decoding on their
+        # anchor until every worker merged the residual (spec_book.py); pulls to cancel (preempted, or failed on
+        # another worker).
         self.speculation_enabled = False
-        self.spec_pending: set[str] = set()
-        self.residual_failed: set[str] = set()
+        self.spec = SpecBook(getattr(getattr(vllm_config, "parallel_config", None), "world_size", 1) or 1)
         self._recv_cancelled: list[str] = []
-        #: The token P sampled after the prompt, for speculative requests (taken by LynxSpecScheduler).
-        self.spec_first_token: dict[str, int] = {}
         self._faults = fault_hooks(config)  # test-only (lynx_connector.testing)
         self._warned_no_spec = False
         # Signed kv_transfer_params (lynx_connector/signing.py): P signs what it returns, D accepts only what
@@ -255,9 +252,7 @@ class LynxConnectorScheduler:
                 fence_lossy_blocks(request, local_hit, self._kv_cache_manager, self.block_size)
             self._recv_inflight.add(request.request_id)
             if get_mode(mode).late_residual:
-                self.spec_pending.add(request.request_id)
-                if remote.first_token is not None:
-                    self.spec_first_token[request.request_id] = remote.first_token
+                self.spec.start(request.request_id, remote.first_token)
             self._faults.on_pull(request.request_id, params)
 
     def _take_given_ticket(self, request: Request) -> bool:
@@ -331,22 +326,11 @@ class LynxConnectorScheduler:
         return fallback
 
     # ---- D: speculative mode ----------------------------------------------------------------------------
-    def take_residual_merged(self) -> set[str]:
-        out, self.residual_merged = self.residual_merged, set()
-        return out
-
-    def take_residual_failed(self) -> set[str]:
-        out, self.residual_failed = self.residual_failed, set()
-        return out
-
     def cancel_residual(self, req_id: str) -> bool:
         """A speculating request is preempted (its blocks are freed in this step): cancel its pull silently.
         True when a pull was still pending."""
-        self.residual_merged.discard(req_id)
-        self.residual_failed.discard(req_id)
-        if req_id not in self.spec_pending:
+        if not self.spec.forget(req_id):
             return False
-        self.spec_pending.discard(req_id)
         self._recv_inflight.discard(req_id)
         self._recv_cancelled.append(req_id)
         return True
@@ -358,6 +342,7 @@ class LynxConnectorScheduler:
             save_aborted=self._save_aborted,
             recv_aborted=self._recv_aborted,
             recv_cancelled=self._recv_cancelled,
+            spec_settled=self.spec.take_settled(),
             test_hooks=self._faults.take_outgoing(),
             first_tokens=self._first_tokens_due,
             idle=not any(scheduler_output.num_scheduled_tokens.values()),
@@ -393,19 +378,12 @@ class LynxConnectorScheduler:
                 # served as D can: P's own choice named too where it differs (its reason explains that choice)
                 self._auto_report[req_id] = {"mode": mode, "reason": reason,
                                              **({"chosen": chosen} if chosen != mode else {})}
-                if not get_mode(mode).late_residual and req_id in self.spec_pending:
-                    self.spec_pending.discard(req_id)  # reported ready only once its KV is whole
-                    self.spec_first_token.pop(req_id, None)
-            for req_id, tok in meta.first_tokens.items():  # concurrent flow: P's token, later than the params
-                if req_id in self.spec_pending:
-                    self.spec_first_token.setdefault(req_id, tok)
-            self.residual_merged |= meta.residual_merged
-            self.spec_pending -= meta.residual_merged
-            failed = meta.residual_failed & self.spec_pending
-            self.residual_failed |= failed
-            self.spec_pending -= failed
+                if not get_mode(mode).late_residual:
+                    self.spec.whole(req_id)  # reported ready only once its KV is whole
+            # failed on one worker: the others' pulls are cancelled before the policy frees or reuses the blocks
+            self._recv_cancelled.extend(self.spec.observe(meta))
         for req_id in getattr(connector_output, "failed_recving", None) or ():
-            self.spec_pending.discard(req_id)  # failed before the anchor: vLLM's own failure path applies
+            self.spec.forget(req_id)  # failed before the anchor: vLLM's own failure path applies
 
     # ---- end of a request ---------------------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -418,15 +396,12 @@ class LynxConnectorScheduler:
         auto = self._auto_reason.pop(req_id, "")
         self._auto.finished(req_id, request.num_output_tokens > 0)
         report = self._auto_report.pop(req_id, None)
-        self.residual_merged.discard(req_id)
-        self.residual_failed.discard(req_id)
-        self.spec_first_token.pop(req_id, None)
-        if req_id in self._recv_inflight or req_id in self.spec_pending:
+        self.spec.first_token.pop(req_id, None)
+        if self.spec.forget(req_id) | (req_id in self._recv_inflight):
             # D: aborted while its KV is in flight (for a speculative request: until its residual is merged).
             # Keep the blocks until the worker has cancelled the pull (it then reports the request in
             # finished_recving and vLLM frees them).
             self._recv_inflight.discard(req_id)
-            self.spec_pending.discard(req_id)
             self._recv_aborted.append(req_id)
             return True, None
         params = request.kv_transfer_params

@@ -38,19 +38,19 @@ class SpeculationPort:
 
     def pending(self) -> Set[str]:
         """Requests pulled in speculative mode whose residual is still to be merged (read-only view)."""
-        return self._half.spec_pending
+        return self._half.spec.pending
 
     def take_residual_merged(self) -> set[str]:
         """Requests whose residual was merged since the last call."""
-        return self._half.take_residual_merged()
+        return self._half.spec.take_merged()
 
     def take_residual_failed(self) -> set[str]:
         """Requests whose residual failed after their anchor was reported ready, since the last call."""
-        return self._half.take_residual_failed()
+        return self._half.spec.take_failed()
 
     def take_first_token(self, req_id: str) -> int | None:
         """The token P sampled after the prompt of ``req_id`` (once; None when P sent none)."""
-        return self._half.spec_first_token.pop(req_id, None)
+        return self._half.spec.first_token.pop(req_id, None)
 
     def cancel_residual(self, req_id: str) -> bool:
         """``req_id`` is preempted (its blocks are freed in this step): cancel its pull silently. True when a pull

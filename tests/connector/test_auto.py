@@ -256,11 +256,11 @@ def test_d_lets_p_choose_in_the_concurrent_flow(p_choice, reason, pending):
     s.update_state_after_alloc(r, FakeBlocks([0, 1]), 64)
     spec = s.build_connector_meta(sched_out()).reqs_to_recv[0]
     assert (spec.mode, spec.auto, spec.concurrent) == ("speculative", True, True)
-    assert "d-1" in s.spec_pending and r.block_hashes[0] != bytes(32)  # fenced: speculative until P names
+    assert "d-1" in s.spec.pending and r.block_hashes[0] != bytes(32)  # fenced: speculative until P names
     served = "speculative" if get_mode(p_choice).two_stream else p_choice
     s.update_connector_output(SimpleNamespace(finished_recving=(), failed_recving=(), kv_connector_worker_meta=
                                               LynxWorkerMeta(auto_modes={"d-1": (served, reason, p_choice)})))
-    assert ("d-1" in s.spec_pending) is pending
+    assert ("d-1" in s.spec.pending) is pending
     s.update_connector_output(SimpleNamespace(finished_recving={"d-1"}, failed_recving=(), kv_connector_worker_meta=
                                               LynxWorkerMeta(residual_merged={"d-1"})))
     r.status = RequestStatus.FINISHED_STOPPED
@@ -274,7 +274,7 @@ def test_d_lets_p_choose_in_the_concurrent_flow(p_choice, reason, pending):
     assert s.request_finished(r2, [2, 3]) == (True, None)  # its blocks wait for the worker's cancel
     s.update_connector_output(SimpleNamespace(finished_recving={"d-2"}, failed_recving=(), kv_connector_worker_meta=
                                               LynxWorkerMeta(auto_modes={"d-2": (served, reason, p_choice)})))
-    assert s._auto_report == {} and s.spec_pending == set()
+    assert s._auto_report == {} and s.spec.pending == set()
 
 
 def test_d_without_speculation_serves_a_lynx_choice_as_full():
@@ -285,7 +285,7 @@ def test_d_without_speculation_serves_a_lynx_choice_as_full():
         s.get_num_new_matched_tokens(r, 0)
         s.update_state_after_alloc(r, FakeBlocks([0, 1]), 64)
         spec = s.build_connector_meta(sched_out()).reqs_to_recv[0]
-        assert (spec.mode, spec.auto) == ("full", True) and req_id not in s.spec_pending
+        assert (spec.mode, spec.auto) == ("full", True) and req_id not in s.spec.pending
     with pytest.raises(Exception, match="or auto, in the concurrent flow"):
         RemotePrefill.from_params({**d_auto_req().kv_transfer_params, "lynx_mode": "int5"})
     sequential = {k: v for k, v in d_auto_req().kv_transfer_params.items() if k != "lynx_flow"}

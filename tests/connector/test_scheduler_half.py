@@ -93,10 +93,10 @@ def test_first_token_is_kept_for_speculative_pulls_only():
         r.use_structured_output = False
         s.get_num_new_matched_tokens(r, 0)
         s.update_state_after_alloc(r, FakeBlocks([1, 2]), 64)
-    assert s.spec_first_token == {"d-s": 77}
+    assert s.spec.first_token == {"d-s": 77}
     r.status = RequestStatus.FINISHED_ABORTED
     s.request_finished(req("d-s", 64, None, status=RequestStatus.FINISHED_ABORTED), [1, 2])
-    assert s.spec_first_token == {}
+    assert s.spec.first_token == {}
     # P without a sampled token (no outputs): no first token in the params, D holds its first token
     assert "lynx_first_token" not in remote_params(64)
 
@@ -128,10 +128,10 @@ def test_d_keeps_p_first_token_from_the_worker_for_speculating_requests_only():
         r = req(rid, 64, remote_params(64, lynx_mode=mode))
         s.get_num_new_matched_tokens(r, 0)
         s.update_state_after_alloc(r, FakeBlocks([1, 2]), 64)
-    assert s.spec_first_token == {}
+    assert s.spec.first_token == {}
     meta = LynxWorkerMeta(first_tokens={"d-s": 7, "d-f": 8, "gone": 9})
     s.update_connector_output(SimpleNamespace(finished_recving=set(), kv_connector_worker_meta=meta))
-    assert s.spec_first_token == {"d-s": 7}
+    assert s.spec.first_token == {"d-s": 7}
     other = LynxWorkerMeta(first_tokens={"d-s": 7})  # another rank's worker: the same token
     assert LynxWorkerMeta().aggregate(other).first_tokens == {"d-s": 7}
 
@@ -194,16 +194,51 @@ def test_decode_side_abort_before_scheduling_tells_p_only_for_params_that_verify
         pending = s.build_connector_meta(sched_out()).reqs_to_recv
         assert [(p.remote_host, p.num_tokens) for p in pending] == ([("10.1.2.3", 0)] if tells else []), params
 
-def test_finished_recving_clears_inflight_and_merged_signal_is_collected():
+
+def spec_sched(workers=1):
+    """D's scheduler half serving a speculative request "d-4" (running on its anchor), with ``workers`` workers."""
     s, _ = make_sched()
-    r = req("d-4", 64, remote_params(64))
+    s.spec.workers = workers
+    s.speculation_enabled = True
+    r = req("d-4", 64, remote_params(64, lynx_mode="speculative"))
     s.get_num_new_matched_tokens(r, 0)
     s.update_state_after_alloc(r, FakeBlocks([1, 2]), 64)
-    s.update_connector_output(SimpleNamespace(finished_recving={"d-4"},
-                                              kv_connector_worker_meta=LynxWorkerMeta({"d-4"})))
-    assert "d-4" in s.residual_merged
+    s.build_connector_meta(sched_out())
+    assert s.spec.pending == {"d-4"}
+    return s, r
+
+
+def step(s, meta, finished=()):
+    s.update_connector_output(SimpleNamespace(finished_recving=set(finished), kv_connector_worker_meta=meta))
+    return s.build_connector_meta(sched_out())
+
+
+def test_finished_recving_clears_inflight_and_merged_signal_is_collected():
+    s, r = spec_sched()
+    out = step(s, LynxWorkerMeta({"d-4"}), finished={"d-4"})
+    assert "d-4" in s.spec.merged and s.spec.pending == set() and out.spec_settled == ["d-4"]
     r.status = RequestStatus.FINISHED_STOPPED
     assert s.request_finished(r, [1, 2]) == (False, None)
+
+
+def test_tensor_parallel_merge_counts_every_worker_over_steps():
+    """Two workers merge their shards in different steps (vLLM's aggregator hands the scheduler the first
+    non-empty meta, then aggregates the others into it): merged only once both have, never before."""
+    s, _ = spec_sched(workers=2)
+    step(s, LynxWorkerMeta(set()).aggregate(LynxWorkerMeta({"d-4"})))  # rank 1 merged, rank 0 not yet
+    assert s.spec.merged == set() and s.spec.pending == {"d-4"}
+    out = step(s, LynxWorkerMeta({"d-4"}))  # rank 0, a later step (rank 1 sends no meta)
+    assert s.spec.merged == {"d-4"} and s.spec.pending == set() and out.spec_settled == ["d-4"]
+
+
+def test_tensor_parallel_residual_failure_on_one_worker_cancels_the_others():
+    """One worker's residual fails: the policy applies (residual_failed) and the other workers' pulls are
+    cancelled before the blocks can be freed or reused, so no shard is merged into blocks of another request."""
+    s, _ = spec_sched(workers=2)
+    step(s, LynxWorkerMeta({"d-4"}))  # rank 0 merged
+    out = step(s, LynxWorkerMeta(residual_failed={"d-4"}))  # rank 1 failed
+    assert s.spec.failed == {"d-4"} and s.spec.merged == set() and s.spec.pending == set()
+    assert out.recv_cancelled == ["d-4"] and out.spec_settled == ["d-4"] and s.spec._counts == {}
 
 
 @pytest.mark.parametrize("bad", [
@@ -231,9 +266,11 @@ def test_malformed_params_fall_back_to_local_prefill(bad):
     assert r.kv_transfer_params["do_remote_prefill"] is False
 
 
-def test_worker_meta_aggregates_as_intersection_across_ranks():
-    a, b = LynxWorkerMeta({"x", "y"}), LynxWorkerMeta({"y"})
-    assert a.aggregate(b).residual_merged == {"y"}
+def test_worker_meta_aggregates_merges_as_counts_across_ranks():
+    a, b, c = LynxWorkerMeta({"x", "y"}), LynxWorkerMeta({"y"}), LynxWorkerMeta(residual_failed={"x"})
+    agg = a.aggregate(b).aggregate(c)
+    assert agg.merge_counts() == {"x": 1, "y": 2} and agg.residual_failed == {"x"}
+    assert LynxWorkerMeta({"z"}).merge_counts() == {"z": 1}
 
 
 

@@ -805,3 +805,22 @@ def test_encode_time_counts_the_codec_not_the_forward_between_layers(pair):
     encodes = p.stats.data["encode_s"]
     assert len(encodes) == 1 and p.source.stats()["regions_live"] > 0  # staged, waiting for D
     assert 0.0 < encodes[0] < forward_s, encodes
+
+
+def test_a_settled_speculative_end_is_forgotten(pair):
+    """Once the scheduler half names a request in spec_settled (every worker merged, or one failed), a later
+    recv_aborted for it (an ordinary end: the scheduler half asks nothing then) reports nothing twice."""
+    make, _ = pair
+    (p, _), (d, _) = make("kv_producer"), make("kv_consumer", residual_grace_s=0)
+    paced_events(d, 1)
+    publish(p, "speculative")
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, "speculative")],
+                                       test_hooks={"d1": {"delay_residual_steps": 2}}))
+    done: set[str] = set()
+    poll_until([p, d], lambda: done.update(d.take_results()[0]) or "d1" in done)
+    merged: set[str] = set()
+    poll_until([p, d], lambda: merged.update(getattr(d.take_worker_meta(), "residual_merged", ())) or "d1" in merged)
+    assert "d1" in d._ended_on_anchor
+    d.start_load(LynxConnectorMetadata(spec_settled=["d1"]))
+    assert d._ended_on_anchor == {} and d.take_results() == (set(), set())
+    assert_staging_freed(p, d)

@@ -38,7 +38,7 @@ def state(llm: Any) -> dict[str, Any]:
     return {
         "requests": sorted(sched.requests),
         "spec": sorted(getattr(sched, "_spec", {})),
-        "spec_pending": sorted(half.spec_pending),
+        "spec_pending": sorted(half.spec.pending),
         "worker_recvs": sorted(wconn._recvs),
         "staging_live": _live(pool),
         "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks(),

@@ -238,7 +238,7 @@ class Driver:
     def state(self) -> dict[str, Any]:
         half = self.sched.connector.connector_scheduler
         return {"requests": sorted(self.sched.requests), "spec": sorted(self.sched._spec),
-                "spec_pending": sorted(half.spec_pending), "free_blocks": self.free_blocks()}
+                "spec_pending": sorted(half.spec.pending), "free_blocks": self.free_blocks()}
 
     def run_until_done(self, rid: str, max_steps: int = 200, **events: Any) -> Released:
         for _ in range(max_steps):

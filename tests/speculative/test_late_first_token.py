@@ -27,7 +27,7 @@ def clean(d: Driver) -> None:
     st = d.state()
     assert st["requests"] == [] and st["spec"] == [] and st["spec_pending"] == []
     assert st["free_blocks"] == d.free_at_start
-    assert d.sched.connector.connector_scheduler.spec_first_token == {}
+    assert d.sched.connector.connector_scheduler.spec.first_token == {}
 
 
 @pytest.mark.parametrize("late_steps", [0, 2])
