@@ -202,6 +202,8 @@ async def _handle_generate(request: web.Request, chat: bool) -> web.StreamRespon
                 body = json.loads(raw)
             except ValueError:
                 return error_response(400, "request body is not valid JSON", rid)
+            except RecursionError:
+                return error_response(400, "request body is nested too deeply", rid)
             if not isinstance(body, dict):
                 return error_response(400, "request body must be a JSON object", rid)
             return await _serve(state, call, request, body, chat)

@@ -135,7 +135,7 @@ async def prefill(session: aiohttp.ClientSession, call: Call, url: str, request:
             answer = json.loads(await resp.read())
         except (TimeoutError, aiohttp.ClientError) as e:
             raise transport_error("prefill", url, e) from e
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise ProxyError(502, "prefill server error", f"prefill server {url} returned invalid JSON: {e}") from e
     except BaseException:
         resp.close()  # an unfinished answer (or a cancelled call): the connection goes, vLLM aborts the request

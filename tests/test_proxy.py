@@ -317,6 +317,9 @@ def test_bad_json_body() -> None:
             check_proxy_error(400, await r.json(), r.headers["X-Request-Id"], "JSON")
         async with s.post(url + "/v1/completions", json=[1, 2]) as r:
             assert r.status == 400
+        async with s.post(url + "/v1/completions", data=b"[" * 200_000) as r:  # under --max-body-bytes
+            assert r.status == 400
+            check_proxy_error(400, await r.json(), r.headers["X-Request-Id"], "nested too deeply")
 
     run_scenario([Fake("prefill")], [Fake("decode")], scenario)
 
