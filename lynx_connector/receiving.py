@@ -430,7 +430,7 @@ class ReceiveHalf:
             rec.reported = True
             self._finished_recving.add(req_id)
         self.sink.release(req_id)
-        self.sink.pool.free_request(req_id)
+        self.sink.free_staging(req_id)
 
     def wait_idle(self, meta: LynxConnectorMetadata) -> None:
         """On a step with nothing to compute while pulls are in flight: wait up to ``idle_wait_s`` for one to land

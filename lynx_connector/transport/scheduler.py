@@ -109,6 +109,9 @@ class TransferScheduler:
         self._seq = itertools.count()
         self._inflight: list[_Inflight] = []
         self.inflight_bytes = 0
+        # requests dropped with reads in flight: NIXL's release does not wait for an RMA already posted, so its
+        # bytes may still land in their staging (TransferSink.free_staging quarantines it)
+        self._torn: set[str] = set()
         self.hold_until = 0.0  # set by the owner: split anchors it knows are coming (regions not yet known)
         self._emitted = False
         self._accounted_at = clock()
@@ -155,6 +158,13 @@ class TransferScheduler:
     def idle(self) -> bool:
         return not self._inflight and not self._jobs
 
+    def take_torn(self, req_id: str) -> bool:
+        """Whether the request was dropped with reads in flight (once; any thread)."""
+        if req_id in self._torn:
+            self._torn.discard(req_id)
+            return True
+        return False
+
     def cancel(self, req_id: str) -> None:
         """Drop a request's streams without events (abort); in-flight chunks are released."""
         self._drop(req_id, error=None)
@@ -173,6 +183,8 @@ class TransferScheduler:
         jobs = [self._jobs.pop(k) for k in [k for k in self._jobs if k[0] == req_id]]
         self._account(self._clock())
         for f in [f for f in self._inflight if f.job.req_id == req_id]:
+            if f.state is None:  # NIXL has not finished it (an emulated link may hold a finished one)
+                self._torn.add(req_id)
             self._inflight.remove(f)
             self.inflight_bytes -= f.nbytes
             self._release(f.handle)

@@ -196,6 +196,12 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         thread's scheduler without its lock: an estimate, for D's choice to wait for a residual)."""
         return self._sched.left(req_id, stream)
 
+    def free_staging(self, req_id: str) -> None:
+        """Free D's staging of a pull that is over (after `abort` or its last event). Where the pull was dropped
+        with reads in flight, their bytes may still land (NIXL's release does not wait for an RMA already
+        posted): its regions are reused only after ``lease_grace_s``, never under another request's reads."""
+        self.pool.free_request(req_id, self.config.lease_grace_s if self._sched.take_torn(req_id) else 0.0)
+
     def release(self, req_id: str) -> None:
         """Tell P to free the request's staging (idempotent; D's views stay the caller's)."""
         self._cmd(("release", req_id, None))
@@ -211,7 +217,8 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         self._cmd(("discard", (host, port), (transfer_id, token)))
 
     def abort(self, req_id: str) -> None:
-        """Stop pulling a request (no further events), tell P to free; returns once no chunk is in flight."""
+        """Stop pulling a request (no further events), tell P to free; returns once the sink has dropped it (reads
+        in flight released: their bytes may still land, see `free_staging`)."""
         done = threading.Event()
         self._cmd(("abort", req_id, done))
         if not done.wait(self.config.timeout_s + 1.0):

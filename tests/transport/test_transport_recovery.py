@@ -317,3 +317,29 @@ def test_a_peer_d_has_nothing_to_do_with_is_closed_after_peer_idle_s(fabric: Fak
     finally:
         sink.close()
         src.close()
+
+
+def test_a_pull_dropped_with_reads_in_flight_keeps_its_staging_out_of_reuse(fabric: FakeFabric) -> None:
+    """NIXL's release of a READ in flight does not wait for it (its bytes may still land), so D's staging of a pull
+    aborted mid-read is quarantined for lease_grace_s, never handed to the next request at once; a pull read
+    whole is freed at once."""
+    src = TransferSource(TransportConfig(**CFG, timeout_s=3.0), COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
+    sink = TransferSink(TransportConfig(**CFG, timeout_s=3.0), COMPAT, nixl=FakeNixlWrapper(fabric, "D",
+                                                                                            delay_s=2.0))
+    try:
+        stage(src, "a", 3000, 2000)
+        pull(sink, src, "a")
+        wait_for(lambda: sink.stats()["chunks_posted"] > 0)  # reads posted, not landed (2 s each)
+        sink.abort("a")
+        sink.free_staging("a")
+        assert sink.pool.quarantined_bytes > 0  # (still counted in bytes_allocated until the quarantine ends)
+        sink._nixl.delay_s = 0.0
+        stage(src, "b", 3000, 2000)
+        pull(sink, src, "b")
+        assert all(e.ok for e in collect(sink, 2))
+        before = sink.pool.quarantined_bytes
+        sink.free_staging("b")
+        assert sink.pool.quarantined_bytes == before  # read whole: freed at once
+    finally:
+        sink.close()
+        src.close()
