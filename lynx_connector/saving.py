@@ -44,7 +44,13 @@ class SaveQueue:
         return len(self._waiting)
 
     def submit(self, spec: SaveSpec) -> None:
-        self._source.expect(spec.req_id, spec.transfer_id or None, spec.token or None)
+        try:
+            self._source.expect(spec.req_id, spec.transfer_id or None, spec.token or None)
+        except ValueError as exc:  # its ticket is another request's (params replayed): that request only fails
+            logger.error("LynxConnector: request %s not staged: %s", spec.req_id, exc)
+            self._on_reject("stage")
+            self._resolved.add(spec.req_id)
+            return
         if self._waiting or not self._try(spec):  # behind others already waiting: keep the order
             self._waiting[spec.req_id] = (spec, self._clock() + self._wait_s)
             logger.info("LynxConnector: staging full, request %s (%d tokens) waits for room (%d waiting)",

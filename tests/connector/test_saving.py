@@ -111,3 +111,16 @@ def test_a_request_d_gave_up_on_while_it_waited_is_not_staged_later(source) -> N
     assert staged == ["a"] and q.waiting == 0 and not rejected
     assert q.finished_sending({"a", "b"}) == {"a", "b"}  # b's KV blocks are released on P too
     assert source.stats()["regions_live"] == 0 and source.stats()["requests_live"] == 0
+
+
+def test_a_ticket_already_in_use_fails_that_request_only(source) -> None:
+    """Two requests with the same proxy-minted ticket (signed params replayed): the second is not staged and its
+    blocks are released, the first is untouched; the worker's step goes on (before: ValueError out of the step)."""
+    q, staged, rejected, _ = make(source, {"a": 1000, "b": 1000})
+    ticket = {"transfer_id": "ab" * 16, "token": "cd" * 16}
+    q.submit(SaveSpec(req_id="a", block_ids=[0], num_tokens=10, mode="full", **ticket))
+    q.submit(SaveSpec(req_id="b", block_ids=[0], num_tokens=10, mode="full", **ticket))
+    assert staged == ["a"] and rejected == ["stage"] and q.waiting == 0
+    assert q.finished_sending({"a", "b"}) == {"a", "b"}
+    assert source.ticket("a") == (ticket["transfer_id"], ticket["token"])
+    source.abort("a")
