@@ -454,7 +454,13 @@ class LynxConnectorScheduler:
         ids = getattr(request, "prompt_token_ids", None)
         if ids is not None:
             params[PROMPT_KEY] = prompt_digest(ids[: request.num_prompt_tokens])
-        return True, self._signer.sign(params)
+        try:
+            return True, self._signer.sign(params)
+        except ParamsRefused as exc:  # params D could not carry (a request id over 1024 characters, n > 1024)
+            logger.error("LynxConnector: request %s cannot be served remotely: %s", req_id, exc)
+            self._save_aborted.append(req_id)
+            return True, {"lynx_error": {"message": f"remote-prefill params not produced: {exc}",
+                                         "type": "BadRequestError", "param": "kv_transfer_params", "code": 400}}
 
 
 def _pulled(request: Request) -> None:

@@ -35,6 +35,8 @@ from lynx_connector.logger import init_logger
 
 logger = init_logger(__name__)
 
+HEX_DIGITS = "0123456789abcdef"  # what _mac's hexdigest writes
+
 __all__ = ["EXPIRES_KEY", "PROMPT_KEY", "REFUSAL_REASONS", "SIGNED_KEYS", "SIG_KEY", "ParamsRefused",
            "ParamsSigner", "RefusalLog", "canonical", "check_prompt", "prompt_digest"]
 
@@ -135,7 +137,7 @@ class ParamsSigner:
         if sig is None:
             raise ParamsRefused("unsigned", "remote-prefill params carry no lynx_sig: only a prefill instance of "
                                             "this deployment can produce them")
-        if not isinstance(sig, str) or len(sig) != 64:
+        if not isinstance(sig, str) or len(sig) != 64 or not sig.isascii() or sig.strip(HEX_DIGITS):
             raise ParamsRefused("bad_signature", "lynx_sig is not a 64-character hex string")
         if not hmac.compare_digest(self._mac(params), sig):
             raise ParamsRefused("bad_signature", "lynx_sig does not verify: the params were changed or signed "

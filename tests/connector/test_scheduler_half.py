@@ -85,6 +85,22 @@ def test_prefill_side_encodes_when_prompt_completes_and_returns_params():
     assert len(rp.token) == 32 and rp.token != rp.transfer_id
 
 
+def test_prefill_side_refuses_a_request_whose_params_d_could_not_carry():
+    """A request id over 1024 characters (vLLM takes X-Request-Id unbounded) cannot go into signed params: the
+    request gets a 400 lynx_error and its staging is dropped, instead of ParamsRefused out of the engine step."""
+    s, mgr = make_sched()
+    rid = "p-" + "a" * 1100
+    r = req(rid, 70, {"do_remote_decode": True})
+    mgr.blocks[rid] = [7, 3, 9]
+    s.update_state_after_alloc(r, FakeBlocks([7, 3, 9]), 0)
+    assert [x.req_id for x in s.build_connector_meta(sched_out(**{rid: 70})).reqs_to_save] == [rid]
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    r.output_token_ids, r.num_output_tokens = [5], 1
+    hold, out = s.request_finished(r, [7, 3, 9])
+    assert hold is True and out["lynx_error"]["code"] == 400 and "remote_request_id" in out["lynx_error"]["message"]
+    assert s.build_connector_meta(sched_out()).save_aborted == [rid]  # the worker frees it, then its blocks
+
+
 def test_first_token_is_kept_for_speculative_pulls_only():
     s, _ = make_sched()
     s.speculation_enabled = True
@@ -308,6 +324,8 @@ def test_decode_refuses_unsigned_tampered_and_foreign_params():
         ("redirected", {**good, "remote_host": "127.0.0.1", "lynx_ports": [1]}, "bad_signature"),
         ("more tokens", {**good, "remote_num_tokens": 4096}, "bad_signature"),
         ("extended", {**good, "lynx_expires": good["lynx_expires"] + 3600}, "bad_signature"),
+        ("non-ascii", {**good, "lynx_sig": "\u00e9" * 64}, "bad_signature"),  # compare_digest raised TypeError
+        ("upper-case", {**good, "lynx_sig": good["lynx_sig"].upper()}, "bad_signature"),
     ):
         s, _ = make_sched()
         _refused_locally(s, req(f"d-{case}", 64, dict(params)), reason)
