@@ -89,14 +89,16 @@ def client_mode(body: dict[str, Any]) -> str | None:
 
 
 def fans_out(body: dict[str, Any]) -> bool:
-    """Whether P would run several requests for it (``n`` > 1, ``best_of`` > 1, a list of prompts)."""
+    """Whether P may run several requests for it (``n`` or ``best_of`` other than 1, a list of prompts). Any value
+    but an absent one, null or 1 counts: vLLM's validation turns ``3.0`` or ``"3"`` into 3, and a value it
+    refuses is refused by P whichever way it goes."""
     prompt = body.get("prompt")
     several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
-    return several or _count(body.get("n")) > 1 or _count(body.get("best_of")) > 1
+    return several or any(_several(body.get(key)) for key in ("n", "best_of"))
 
 
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 1
+def _several(value: Any) -> bool:
+    return value is not None and not (value == 1 and not isinstance(value, bool))
 
 
 async def serve_pipelined(session: aiohttp.ClientSession, book: FlowBook, prefill_slots: ServerSlots,

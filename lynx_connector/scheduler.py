@@ -266,6 +266,10 @@ class LynxConnectorScheduler:
             if not (is_ticket_part(tid) and is_ticket_part(token)):
                 raise ParamsRefused("malformed", "lynx_transfer_id and lynx_token must be 32 lower-case hex "
                                                  "characters")
+            live = (*self._given_ticket.values(), *self._save_ticket.values())
+            if any(t[0] == tid for t in live):  # one ticket, one request (vLLM's n > 1 children copy the params)
+                raise ParamsRefused("replayed", "lynx_transfer_id is another request's: concurrent-flow params "
+                                                "serve one request (the proxy sends n > 1 the sequential way)")
         except ParamsRefused as exc:
             message = f"concurrent-flow params refused ({exc.reason}): {exc}"
             self._refused[req_id] = {"message": message, "type": "BadRequestError",

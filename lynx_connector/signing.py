@@ -51,7 +51,7 @@ SIGNED_KEYS: tuple[str, ...] = (
 )
 #: Why D refused remote-prefill params (the ``reason`` label of ``vllm:lynx_refused_params``).
 REFUSAL_REASONS: tuple[str, ...] = ("unsigned", "bad_signature", "expired", "malformed", "mode_not_allowed",
-                                    "prompt_mismatch")
+                                    "prompt_mismatch", "replayed")
 _DOMAIN = b"lynx/params/v2\x00"
 _MAX_STR = 1024
 _MAX_LIST = 1024

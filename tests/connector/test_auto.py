@@ -230,6 +230,25 @@ def test_p_chooses_in_the_concurrent_flow_and_stages_under_the_proxy_ticket():
     assert s.request_finished(r2, [])[1]["lynx_error"]["code"] == 400
 
 
+def test_p_stages_a_proxy_ticket_for_one_request_only():
+    """vLLM's n > 1 children copy the request's params: a concurrent-flow ticket is served by the first request
+    that presents it, and refused for any other while the first holds it (before, both were staged under it and
+    the worker's duplicate raised out of the engine step)."""
+    from lynx_connector.concurrent import mint, prefill_params
+
+    s, mgr = make_p()
+    signed = ParamsSigner(load_side_channel_key(), 60).sign(prefill_params(*mint(), "full"))
+    first, twin = p_req("0_c1", 64, dict(signed)), p_req("1_c1", 64, dict(signed))
+    for r in (first, twin):
+        mgr.blocks[r.request_id] = [0, 1]
+        s.update_state_after_alloc(r, FakeBlocks([0, 1]), 0)
+    assert [x.req_id for x in s.build_connector_meta(sched_out(**{"0_c1": 64, "1_c1": 64})).reqs_to_save] == ["0_c1"]
+    twin.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    hold, out = s.request_finished(twin, [0, 1])
+    assert hold is False and out["lynx_error"]["code"] == 400 and "replayed" in out["lynx_error"]["message"]
+    assert s.stats.data["refused_replayed"] == 1
+
+
 def d_auto_req(req_id="d-1", n=64, structured=False):
     from lynx_connector.concurrent import PrefillEndpoint, decode_params, mint
 
