@@ -128,6 +128,8 @@ class LynxConnectorScheduler:
         metas = [metadata[r] for r in ranks]
         if not all(isinstance(m, LynxHandshakeMetadata) for m in metas):
             raise TypeError(f"LynxConnector expects LynxHandshakeMetadata from its workers, got {metas!r}")
+        if not metas:  # kv_role=kv_consumer: the workers serve no side channel (nothing to announce to D)
+            return
         self._side_channel_host = metas[0].host
         self._side_channel_ports = [m.port for m in metas]
         self._kv_dtype = metas[0].kv_dtype  # announced to D with every request P serves (lynx_kv_dtype)

@@ -444,3 +444,11 @@ def test_p_announces_its_cache_dtype_and_d_pulls_with_it():
     (spec,) = d.build_connector_meta(sched_out()).reqs_to_recv
     assert spec.kv_dtype == "bfloat16"
     assert "lynx_kv_dtype" not in remote_params(64)  # not announced: D assumes its own dtype
+
+
+def test_a_consumer_only_engine_has_no_side_channel_to_announce():
+    """kv_role=kv_consumer: every worker returns no handshake metadata and vLLM hands the scheduler half {}
+    (engine core: the list of Nones is non-empty): start-up goes on (it raised IndexError)."""
+    s, _ = make_sched()
+    s.set_handshake({})
+    assert s._side_channel_ports == [5555]  # what make_sched announced, unchanged
