@@ -11,7 +11,8 @@ Per request (``/v1/completions`` and ``/v1/chat/completions``, streaming or not)
 The pipelined flow (the default, ``--flow pipelined``; it needs the deployment key) sends the request
 to P and D at once, with a transfer id and token the proxy mints and signs (``lynx_connector/proxy_flow.py``):
 D pulls each layer as soon as P has encoded it. The first request to each P goes the sequential way (P's answer
-names its side channel), as does a request P fans out (``n`` > 1).
+names its side channel), as does a request P fans out (``n`` > 1). A list of prompts is sent as one request per
+prompt and the answers merged (``lynx_connector/proxy_batch.py``).
 
 Of a client's ``kv_transfer_params`` only two keys are used: ``lynx_mode`` (the transfer mode, sent to P) and
 ``"lynx_report": true`` (added to D's params: D then returns the request's speculation summary in
@@ -53,6 +54,7 @@ from aiohttp import web
 from lynx_connector.admission import Overloaded, ServerSlots
 from lynx_connector.concurrent import FLOWS
 from lynx_connector.logger import configure_process_logging, init_logger
+from lynx_connector.proxy_batch import prompt_list, serve_prompt_list
 from lynx_connector.proxy_flow import FlowBook, serve_pipelined
 from lynx_connector.proxy_http import (
     REQUEST_ID_HEADER,
@@ -206,6 +208,9 @@ async def _handle_generate(request: web.Request, chat: bool) -> web.StreamRespon
                 return error_response(400, "request body is nested too deeply", rid)
             if not isinstance(body, dict):
                 return error_response(400, "request body must be a JSON object", rid)
+            prompts = None if chat else prompt_list(body)
+            if prompts is not None:  # one request per prompt (proxy_batch.py)
+                return await serve_prompt_list(lambda c, b: _serve(state, c, request, b, chat), call, body, prompts)
             return await _serve(state, call, request, body, chat)
     except TimeoutError:  # the request's deadline (upstream timeouts are ProxyErrors by now)
         logger.warning("request %s: deadline of %gs (--request-timeout) passed during %s%s", rid,

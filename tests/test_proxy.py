@@ -618,3 +618,44 @@ def test_lynx_report_reaches_d_only_when_the_client_asks() -> None:
     assert d.received[1]["kv_transfer_params"] == d.received[2]["kv_transfer_params"] == P_PARAMS
     assert "lynx_report" not in p.received[0]["kv_transfer_params"]
     assert p.received[0]["kv_transfer_params"]["lynx_mode"] == "int8"
+
+
+class EchoFake(Fake):
+    """D answering each prompt with its own text and usage, as vLLM numbers one prompt's choices."""
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        if self.role == "prefill":
+            return await super().generate(request)
+        body = await request.json()
+        self.received.append(body)
+        self.request_ids.append(request.headers.get("X-Request-Id"))
+        prompt = body["prompt"]
+        return web.json_response({"id": "d", "object": "text_completion", "kv_transfer_params": None,
+                                  "choices": [{"index": j, "text": f"{prompt}/{j}"} for j in range(body.get("n", 1))],
+                                  "usage": {"prompt_tokens": len(prompt), "completion_tokens": 2,
+                                            "total_tokens": len(prompt) + 2}})
+
+
+def test_a_list_of_prompts_is_one_request_per_prompt() -> None:
+    """vLLM's answer to a list of prompts names one prompt's transfer only: the proxy sends each prompt as its own
+    request (its own correlation id on P and D) and merges the answers as vLLM numbers them; streaming a list is
+    refused with 400."""
+    p, d = Fake("prefill"), EchoFake("decode")
+
+    async def scenario(s: aiohttp.ClientSession, url: str) -> None:
+        async with s.post(url + "/v1/completions", json={"prompt": ["a", "bb", "ccc"], "n": 2},
+                          headers={"X-Request-Id": "batch-1"}) as r:
+            assert r.status == 200, await r.text()
+            out = await r.json()
+        assert [(c["index"], c["text"]) for c in out["choices"]] == [
+            (0, "a/0"), (1, "a/1"), (2, "bb/0"), (3, "bb/1"), (4, "ccc/0"), (5, "ccc/1")]
+        assert out["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}
+        async with s.post(url + "/v1/completions", json={"prompt": ["a", "b"], "stream": True}) as r:
+            assert r.status == 400
+            check_proxy_error(400, await r.json(), r.headers["X-Request-Id"], "separate requests")
+        async with s.post(url + "/v1/completions", json={"prompt": [1, 2, 3]}) as r:  # token ids: one prompt
+            assert r.status == 200
+
+    run_scenario([p], [d], scenario)
+    assert sorted(map(str, (b["prompt"] for b in p.received))) == ["[1, 2, 3]", "a", "bb", "ccc"]
+    assert sorted(p.request_ids[:3]) == sorted(d.request_ids[:3]) == ["batch-1.0", "batch-1.1", "batch-1.2"]

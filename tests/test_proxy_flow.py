@@ -134,7 +134,7 @@ def test_p_failing_leaves_the_answer_to_d(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("extra, key", [({"n": 2}, True), ({"n": 2.0}, True), ({"n": "3"}, True),
-                                        ({"best_of": 2}, True), ({"prompt": ["a", "b"]}, True), ({}, False)])
+                                        ({"best_of": 2}, True), ({}, False)])
 def test_sequential_when_the_pipelined_flow_cannot_apply(monkeypatch, extra, key) -> None:
     if key:
         _with_key(monkeypatch)
