@@ -33,8 +33,13 @@ from typing import Any
 CHILDREN_KEY = "lynx_children"
 #: The keys that differ between the children of one request; each ``lynx_children`` entry carries them.
 CHILD_KEYS = ("remote_request_id", "lynx_transfer_id", "lynx_token", "lynx_first_token")
-#: At most this many children in one list (vLLM's ``n`` is small; the cap bounds untrusted input on D).
-MAX_CHILDREN = 1024
+#: At most this many children in one list (vLLM's ``n`` is small; the cap bounds untrusted input on D, and P's
+#: cost: every child's params list its siblings so far, so a parent costs P quadratic time in its children).
+MAX_CHILDREN = 256
+
+
+class TooManyChildren(ValueError):
+    """A parent request with more than :data:`MAX_CHILDREN` children: not served by remote prefill."""
 
 _CHILD_ID = re.compile(r"(0|[1-9][0-9]{0,8})_(.+)", re.DOTALL)
 
@@ -66,7 +71,11 @@ class SiblingBook:
         index, parent = parsed
         entry = {"child": index, **{k: params[k] for k in CHILD_KEYS if k in params}}
         _, group = self._groups.setdefault(parent, (now, []))
-        group[:] = [e for e in group if e["child"] != index] + [entry]
+        group[:] = [e for e in group if e["child"] != index]
+        if len(group) >= MAX_CHILDREN:
+            raise TooManyChildren(f"request {parent!r} has more than {MAX_CHILDREN} children (n): remote prefill "
+                                  f"serves at most {MAX_CHILDREN}")
+        group.append(entry)
         return [dict(e) for e in group]
 
     def _prune(self, now: float) -> None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from lynx_connector.auto import AUTO_KEY, AutoPolicy
 from lynx_connector.concurrent import CONCURRENT, FLOW_KEY
 from lynx_connector.config import LynxConfig
-from lynx_connector.fanout import CHILDREN_KEY, SiblingBook
+from lynx_connector.fanout import CHILDREN_KEY, SiblingBook, TooManyChildren
 from lynx_connector.logger import init_logger
 from lynx_connector.metadata import (
     InvalidTransferParams,
@@ -454,15 +454,16 @@ class LynxConnectorScheduler:
             auto_reason=auto,
         )
         params = remote.to_params()
-        children = self._siblings.add(req_id, params)  # n > 1: every child's transfer (lynx_connector/fanout.py)
-        if children is not None:
-            params[CHILDREN_KEY] = children  # signed with the rest: D pulls by it
         ids = getattr(request, "prompt_token_ids", None)
         if ids is not None:
             params[PROMPT_KEY] = prompt_digest(ids[: request.num_prompt_tokens])
         try:
+            children = self._siblings.add(req_id, params)  # n > 1: every child's transfer (fanout.py)
+            if children is not None:
+                params[CHILDREN_KEY] = children  # signed with the rest: D pulls by it
             return True, self._signer.sign(params)
-        except ParamsRefused as exc:  # params D could not carry (a request id over 1024 characters, n > 1024)
+        except (ParamsRefused, TooManyChildren) as exc:  # params D could not carry (a request id over 1024
+            # characters, more than MAX_CHILDREN children)
             logger.error("LynxConnector: request %s cannot be served remotely: %s", req_id, exc)
             self._save_aborted.append(req_id)
             return True, {"lynx_error": {"message": f"remote-prefill params not produced: {exc}",
