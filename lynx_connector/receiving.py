@@ -91,11 +91,11 @@ class ReceiveHalf:
         self._merged: set[str] = set()
         self._residual_failed: set[str] = set()
         self._auto_modes: dict[str, tuple[str, str, str]] = {}  # auto, concurrent flow: served as, P's reason, choice
-        # speculative pulls that ended (residual merged or failed) after their anchor was reported, and the step:
+        # speculative pulls that ended (residual merged or failed) after their anchor was reported:
         # vLLM may finish such a request (P's first token stops it) before the scheduler half has seen the end
         # (or, tensor parallel, before every worker's end): it then keeps the blocks for a finished_recving that
         # only recv_aborted can ask for (start_load)
-        self._ended_on_anchor: OrderedDict[str, int] = OrderedDict()
+        self._ended_on_anchor: OrderedDict[str, None] = OrderedDict()
 
     def start_load(self, meta: LynxConnectorMetadata) -> None:
         for req_id in meta.recv_aborted:
@@ -105,7 +105,8 @@ class ReceiveHalf:
             elif (waiting := self._recv_waiting.pop(req_id, None)) is not None:
                 self._finished_recving.add(req_id)  # never pulled: vLLM frees its blocks now
                 self._discard(waiting[0])
-            elif self._ended_on_anchor.pop(req_id, None) is not None:
+            elif req_id in self._ended_on_anchor:
+                del self._ended_on_anchor[req_id]
                 self._finished_recving.add(req_id)  # its end crossed its finish: vLLM frees its blocks now
         for req_id in meta.recv_cancelled:
             rec = self._recvs.get(req_id)
@@ -421,11 +422,11 @@ class ReceiveHalf:
                 self._failed_recving.add(req_id)
             elif get_mode(rec.spec.mode).late_residual:
                 self._residual_failed.add(req_id)  # running on its anchor: the Lynx scheduler applies the policy
-                self._ended_on_anchor[req_id] = self._step
+                self._ended_on_anchor[req_id] = None
         else:
             self.stats.record_request(time.perf_counter() - rec.t_start)
             if rec.reported and req_id not in self._finished_recving:
-                self._ended_on_anchor[req_id] = self._step  # merged after the anchor's report
+                self._ended_on_anchor[req_id] = None  # merged after the anchor's report
         if not rec.reported:
             rec.reported = True
             self._finished_recving.add(req_id)

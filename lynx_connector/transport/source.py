@@ -213,12 +213,8 @@ class TransferSource(SourceAnswers, SideChannelServer):
     def reject(self, req_id: str, code: str, message: str) -> None:
         """Give up on a request: free what it holds; D's queries for it get ``Error(code, message)``."""
         with self._lock:
-            entry = self._entries.get(req_id)
-            orphan = self._orphans.pop(req_id, None)
-        if orphan is not None:  # D freed it while P encoded (its Done, or the lease): P stops writing now
-            self._free_orphan(req_id, orphan)
-            return
-        self._free(req_id, "abort")
+            entry = self._entries.get(req_id)  # None when D freed it while P encoded: abort frees the orphan
+        self.abort(req_id)
         if entry is None:
             return
         with self._lock:
