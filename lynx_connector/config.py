@@ -14,10 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lynx_connector.limits import MAX_SECONDS
 from lynx_connector.logger import init_logger
 from lynx_connector.modes import (
     AUTO_MODE,
     DEFAULT_MODE,
+    LYNX_CODEC,
     MODE_NAMES,
     auto_candidates,
     default_allowed_modes,
@@ -37,27 +39,38 @@ REPORT_KEY = "lynx_report"
 
 
 DEFAULT_LEASE_S = 120.0
+#: The durations a user sets, in seconds: each at most ``limits.MAX_SECONDS``.
+SECONDS_KEYS = ("lease_s", "timeout_s", "params_ttl_s", "concurrent_wait_s", "max_stream_wait_s", "auto_window_s")
 
 
 class LynxConfigError(ValueError):
     """A configuration value is invalid; the message names the key and what is accepted."""
 
 
-def _as_float(key: str, value: Any, *, minimum: float | None = None, allow_none: bool = False) -> float | None:
+def _shown(value: Any) -> str:
+    """``repr(value)`` for an error message, cut short (a number may have hundreds of digits)."""
+    text = repr(value)
+    return text if len(text) <= 64 else text[:60] + "..."
+
+
+def _as_float(key: str, value: Any, *, minimum: float | None = None, maximum: float | None = None,
+              allow_none: bool = False) -> float | None:
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
         if allow_none:
             return None
         raise LynxConfigError(f"{key}: a number is required")
     if isinstance(value, bool):
-        raise LynxConfigError(f"{key}: expected a number, got {value!r}")
+        raise LynxConfigError(f"{key}: expected a number, got {_shown(value)}")
     try:
         out = float(value)
-    except (TypeError, ValueError):
-        raise LynxConfigError(f"{key}: expected a number, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise LynxConfigError(f"{key}: expected a finite number, got {_shown(value)}") from None
     if not math.isfinite(out):
-        raise LynxConfigError(f"{key}: must be finite, got {value!r}")
+        raise LynxConfigError(f"{key}: must be finite, got {_shown(value)}")
     if minimum is not None and out < minimum:
-        raise LynxConfigError(f"{key}: must be >= {minimum}, got {value!r}")
+        raise LynxConfigError(f"{key}: must be >= {minimum}, got {_shown(value)}")
+    if maximum is not None and out > maximum:
+        raise LynxConfigError(f"{key}: must be <= {maximum:g}, got {_shown(value)}")
     return out
 
 
@@ -65,23 +78,32 @@ def _as_bool(key: str, value: Any) -> bool:
     if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
         value = value.strip().lower() in ("true", "1", "yes")
     if not isinstance(value, bool):
-        raise LynxConfigError(f"{key}: expected true or false, got {value!r}")
+        raise LynxConfigError(f"{key}: expected true or false, got {_shown(value)}")
     return value
 
 
 def _as_int(key: str, value: Any, *, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool):
-        raise LynxConfigError(f"{key}: expected an integer, got {value!r}")
+        raise LynxConfigError(f"{key}: expected an integer, got {_shown(value)}")
     try:
         out = int(str(value).strip(), 0) if isinstance(value, str) else int(value)
-    except (TypeError, ValueError):
-        raise LynxConfigError(f"{key}: expected an integer, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise LynxConfigError(f"{key}: expected an integer, got {_shown(value)}") from None
     if isinstance(value, float) and value != out:
-        raise LynxConfigError(f"{key}: expected an integer, got {value!r}")
+        raise LynxConfigError(f"{key}: expected an integer, got {_shown(value)}")
     if out < minimum or (maximum is not None and out > maximum):
         hi = "" if maximum is None else f" and <= {maximum}"
-        raise LynxConfigError(f"{key}: must be >= {minimum}{hi}, got {value!r}")
+        raise LynxConfigError(f"{key}: must be >= {minimum}{hi}, got {_shown(value)}")
     return out
+
+
+def _as_codec_options(value: Any) -> Any:
+    """``codec_options`` from the extra config: group sizes may arrive as strings (YAML, dotted CLI keys), and are
+    parsed like every other integer; the codec checks the rest (``LynxConfig``)."""
+    if not isinstance(value, Mapping):
+        return value
+    return {k: _as_int(f"codec_options.{k}", v, minimum=1) if str(k).endswith("_tokens") and v is not None else v
+            for k, v in value.items()}
 
 
 def _as_modes(key: str, value: Any) -> tuple[str, ...]:
@@ -217,8 +239,33 @@ class LynxConfig:
         if self.fault_injection is not None and self.fault_injection not in FAULT_INJECTIONS:
             raise LynxConfigError(f"fault_injection: expected {' or '.join(map(repr, FAULT_INJECTIONS))} or none, "
                                   f"got {self.fault_injection!r}")
+        self._check_seconds()
+        self._check_codec_options()
+
+    def _check_seconds(self) -> None:
+        for name in SECONDS_KEYS:
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+                raise LynxConfigError(f"{name}: must be > 0 and <= {MAX_SECONDS:g} seconds, got {value!r}")
+        if self.lease_s is None and self.effective_lease_s > MAX_SECONDS:
+            raise LynxConfigError(
+                f"link_gbps={self.link_gbps:g} with staging_mb={self.staging_mb}: a full staging pool takes longer to "
+                f"drain than any lease may be ({MAX_SECONDS:g} s; P's lease defaults to 1.25x the drain time): raise "
+                f"link_gbps or lower staging_mb")
+
+    def _check_codec_options(self) -> None:
+        """Build the Lynx codec with ``codec_options`` once, whatever the instance's own mode: a request may ask for
+        any allowed Lynx mode, and a bad option must fail start-up, not that request."""
         if not isinstance(self.codec_options, Mapping):
             raise LynxConfigError(f"codec_options: expected a mapping, got {self.codec_options!r}")
+        if not self.codec_options:
+            return
+        from lynx_connector.codec import get_codec
+
+        try:
+            get_codec(LYNX_CODEC, **self.codec_options)
+        except (TypeError, ValueError) as e:
+            raise LynxConfigError(f"codec_options {dict(self.codec_options)!r}: {e}") from None
 
     @property
     def signed_params_ttl_s(self) -> float:
@@ -262,7 +309,7 @@ class LynxConfig:
         if "mode" in extra:
             kw["mode"] = str(extra["mode"]).strip().lower()
         if "codec_options" in extra:
-            kw["codec_options"] = extra["codec_options"]
+            kw["codec_options"] = _as_codec_options(extra["codec_options"])
         if "link_gbps" in extra:
             gbps = _as_float("link_gbps", extra["link_gbps"], allow_none=True)
             if gbps is not None and gbps <= 0:
@@ -277,7 +324,8 @@ class LynxConfig:
                         ("concurrent_wait_s", 1.0), ("max_stream_wait_s", 0.001), ("auto_window_s", 0.1),
                         ("idle_wait_s", 0.0), ("residual_grace_s", 0.0)):
             if key in extra:
-                kw[key] = _as_float(key, extra[key], minimum=lo, allow_none=key == "lease_s")
+                kw[key] = _as_float(key, extra[key], minimum=lo, allow_none=key == "lease_s",
+                                    maximum=MAX_SECONDS if key in SECONDS_KEYS else None)
         if "side_channel_host" in extra:
             host = str(extra["side_channel_host"]).strip()
             if not host:
@@ -296,7 +344,8 @@ class LynxConfig:
         if "allowed_modes" in extra:
             kw["allowed_modes"] = _as_modes("allowed_modes", extra["allowed_modes"])
         if "params_ttl_s" in extra:
-            kw["params_ttl_s"] = _as_float("params_ttl_s", extra["params_ttl_s"], minimum=1.0, allow_none=True)
+            kw["params_ttl_s"] = _as_float("params_ttl_s", extra["params_ttl_s"], minimum=1.0, maximum=MAX_SECONDS,
+                                           allow_none=True)
         if "fault_injection" in extra:
             fi = extra["fault_injection"]
             kw["fault_injection"] = None if fi in (None, "", "none") else str(fi)
@@ -309,8 +358,14 @@ class LynxConfig:
 
         status = None
         if self.status_dir is not None:
-            os.makedirs(self.status_dir, exist_ok=True)
+            try:
+                os.makedirs(self.status_dir, exist_ok=True)
+            except OSError as e:
+                raise LynxConfigError(f"status_dir: cannot create the folder {self.status_dir!r}: {e}") from None
             status = os.path.join(self.status_dir, endpoint + ".json")
+        if self.side_channel_port and self.side_channel_port + tp_rank > 65535:
+            raise LynxConfigError(f"side_channel_port: {self.side_channel_port} + tensor-parallel rank {tp_rank} is past "
+                                  f"65535 (each rank listens on side_channel_port + its rank)")
         return TransportConfig(
             link_gbps=self.link_gbps, chunk_bytes=self.chunk_bytes, window_bytes=self.window_bytes,
             lease_s=self.effective_lease_s, timeout_s=self.timeout_s, host=self.side_channel_host,
@@ -324,10 +379,9 @@ class LynxConfig:
         ``link_gbps`` when that is longer (the transport refuses a lease shorter than that drain time)."""
         if self.lease_s is not None:
             return self.lease_s
-        from lynx_connector.transport.config import TransportConfig
+        from lynx_connector.transport.config import drain_seconds
 
-        drain_s = TransportConfig(link_gbps=self.link_gbps, pool_bytes=self.staging_mb << 20,
-                                  lease_s=1e12).pool_drain_s or 0.0
+        drain_s = drain_seconds(self.staging_mb << 20, self.link_gbps) or 0.0
         return max(DEFAULT_LEASE_S, float(math.ceil(1.25 * drain_s)))
 
     def describe(self) -> str:

@@ -25,6 +25,8 @@ from .base import Codec, check_plane
 from .hadamard import rotate, unrotate
 
 GROUPINGS = ("token", "channel", "hadamard")
+#: The largest group (tokens) an option may ask for: a group longer than any prompt is one range per channel.
+MAX_GROUP_TOKENS = 1 << 20
 CHUNK_ELEMS = 1 << 17  # values per chunk on the CPU: keeps the ~15-op elementwise chain in L2
 # On a GPU each chunk costs ~20 kernel launches and the range checks' host syncs: CPU-sized chunks made int8 (which
 # has no Triton kernel) encode at 0.5 GB/s on an H200 (benchmarks/results/gpu/gpu_codec.md). 16M values (a
@@ -54,13 +56,16 @@ class GroupQuantCodec(Codec):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
         if residual and bits != 4:
             raise ValueError("the residual plane exists only for the 4+4 split")
-        for g in (k_group, v_group):
+        for key, g in (("k_group", k_group), ("v_group", v_group)):
             if g not in GROUPINGS:
-                raise ValueError(f"unknown grouping {g!r}; expected one of {GROUPINGS}")
-        self.k_tokens = k_group_tokens or group_tokens
-        self.v_tokens = v_group_tokens or group_tokens
-        if min(self.k_tokens, self.v_tokens) < 1:
-            raise ValueError("group_tokens must be >= 1")
+                raise ValueError(f"{key}: unknown grouping {g!r}; expected one of {GROUPINGS}")
+        for key, val in (("group_tokens", group_tokens), ("k_group_tokens", k_group_tokens),
+                         ("v_group_tokens", v_group_tokens)):
+            if val is not None and (not isinstance(val, int) or isinstance(val, bool)
+                                    or not 1 <= val <= MAX_GROUP_TOKENS):
+                raise ValueError(f"{key} must be an integer in [1, {MAX_GROUP_TOKENS}], got {val!r}")
+        self.k_tokens = group_tokens if k_group_tokens is None else k_group_tokens
+        self.v_tokens = group_tokens if v_group_tokens is None else v_group_tokens
         self.name, self.bits, self.two_stream = name, bits, residual
         self.k_group, self.v_group = k_group, v_group
         self.levels = (1 << bits) - 1

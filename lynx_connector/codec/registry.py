@@ -20,10 +20,15 @@ from .groupquant import GroupQuantCodec
 from .simple import Fp8Codec, PassthroughCodec
 
 LYNX_DEFAULTS = {"k_group": "channel", "v_group": "token", "k_group_tokens": 64, "v_group_tokens": 32}
+#: The options the Lynx codec takes (``codec_options``).
+LYNX_OPTIONS = (*LYNX_DEFAULTS, "group_tokens")
 
 
 
 def _lynx(**options: object) -> Codec:
+    unknown = sorted(set(options) - set(LYNX_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown}; the Lynx codec takes {', '.join(LYNX_OPTIONS)}")
     defaults = dict(LYNX_DEFAULTS)
     if "group_tokens" in options:  # an explicit common group size replaces both per-tensor defaults
         defaults.pop("k_group_tokens")

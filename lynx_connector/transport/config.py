@@ -9,9 +9,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from lynx_connector.limits import MAX_SECONDS
 from lynx_connector.transport.ranking import ORDERS
 
-__all__ = ["TransportConfig"]
+__all__ = ["TransportConfig", "drain_seconds"]
+
+
+def drain_seconds(pool_bytes: int, link_gbps: float | None) -> float | None:
+    """Seconds a staging pool of ``pool_bytes`` takes to drain at ``link_gbps`` (None when unpaced)."""
+    return None if link_gbps is None else pool_bytes / (link_gbps * 1e9 / 8.0)
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -19,10 +25,12 @@ def _positive_int(name: str, value: object) -> None:
         raise ValueError(f"TransportConfig.{name} must be a positive int, got {value!r}")
 
 
-def _positive_float(name: str, value: object) -> None:
+def _positive_float(name: str, value: object, maximum: float = math.inf) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
     if not ok:
         raise ValueError(f"TransportConfig.{name} must be a positive finite number, got {value!r}")
+    if value > maximum:
+        raise ValueError(f"TransportConfig.{name} must be <= {maximum:g}, got {value!r}")
 
 
 @dataclass
@@ -118,14 +126,19 @@ class TransportConfig:
             raise ValueError(f"TransportConfig.order must be one of {', '.join(ORDERS)}, got {self.order!r}")
         for name in ("lease_s", "timeout_s", "retry_s", "catch_up_s", "resend_s", "retry_max_s", "reconnect_s",
                      "unknown_grace_s", "pipeline_poll_s", "max_wait_s", "peer_idle_s"):
-            _positive_float(name, getattr(self, name))
+            _positive_float(name, getattr(self, name), MAX_SECONDS)  # seconds: bounded like the wire's lease_s
         for name in ("target_progress_s", "anchor_holdoff_s"):
             val = getattr(self, name)
             if not isinstance(val, (int, float)) or isinstance(val, bool) or not math.isfinite(val) or val < 0:
                 raise ValueError(f"TransportConfig.{name} must be a finite number >= 0, got {val!r}")
         if self.grace_s is not None:
-            _positive_float("grace_s", self.grace_s)
+            _positive_float("grace_s", self.grace_s, MAX_SECONDS)
         drain_s = self.pool_drain_s
+        if drain_s is not None and drain_s > MAX_SECONDS:
+            raise ValueError(
+                f"a full staging pool ({self.pool_bytes >> 20} MiB, staging_mb) takes {drain_s:.3g} s to drain at "
+                f"link_gbps={self.link_gbps:g}, more than any lease may be ({MAX_SECONDS:g} s): lower staging_mb or "
+                f"raise link_gbps")
         if drain_s is not None and self.lease_s < drain_s:
             raise ValueError(
                 f"lease_s ({self.lease_s:g} s) is shorter than the {drain_s:.1f} s a full staging pool "
@@ -157,8 +170,7 @@ class TransportConfig:
     @property
     def pool_drain_s(self) -> float | None:
         """Seconds a full staging pool takes at the link rate (None when unpaced)."""
-        rate = self.link_bytes_per_s
-        return None if rate is None else self.pool_bytes / rate
+        return drain_seconds(self.pool_bytes, self.link_gbps)
 
     @property
     def lease_grace_s(self) -> float:

@@ -33,6 +33,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from lynx_connector.limits import MAX_SECONDS
+
 __all__ = [
     "VERSION", "ProtocolError", "Hello", "Challenge", "Auth", "HelloOk", "Query", "Regions", "NotReady", "Done",
     "Ack", "Error", "KeepAlive", "Alive", "Message", "encode", "decode", "compat_hash", "compat_diff", "proof_p", "proof_d",
@@ -112,7 +114,7 @@ class HelloOk(_Msg, tag="hello_ok"):
     compat_hash: Annotated[str, msgspec.Meta(min_length=64, max_length=64)]
     session_id: Nonce
     #: P's lease: D renews the requests it pulls (KeepAlive) every quarter of it.
-    lease_s: Annotated[float, msgspec.Meta(gt=0, le=1e6)]
+    lease_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_SECONDS)]
 
 
 class Query(_Msg, tag="query"):

@@ -41,6 +41,23 @@ def test_strings_are_parsed_as_numbers():
     ({"idle_wait_s": -0.01}, "idle_wait_s"),
     ({"idle_wait_s": 5}, "idle_wait_s"),
     ({"idle_wait_s": "soon"}, "idle_wait_s"),
+    # numbers too large for an int or a float: a LynxConfigError naming the key, not a bare OverflowError
+    ({"staging_mb": float("inf")}, "staging_mb"),
+    ({"chunk_bytes": "-Infinity"}, "chunk_bytes"),
+    ({"timeout_s": 10**400}, "timeout_s"),
+    ({"link_gbps": 10**400}, "link_gbps"),
+    # durations past limits.MAX_SECONDS: the wire refuses such a lease, threading waits such a timeout
+    ({"lease_s": 2e6}, "lease_s"),
+    ({"timeout_s": "1e10"}, "timeout_s"),
+    ({"params_ttl_s": "inf"}, "params_ttl_s"),
+    ({"concurrent_wait_s": 1e7}, "concurrent_wait_s"),
+    ({"link_gbps": 1e-6}, "link_gbps"),  # the default lease (1.25x the pool's drain time) would be 2.7e6 s
+    # codec_options are the Lynx codec's, checked whatever the instance's own mode (a request may ask for full)
+    ({"mode": "bf16", "codec_options": {"k_grop": "channel"}}, "codec_options"),
+    ({"mode": "bf16", "codec_options": {"k_group": "per-channel"}}, "codec_options"),
+    ({"codec_options": {"k_group_tokens": 0}}, "codec_options"),
+    ({"codec_options": {"v_group_tokens": "many"}}, "codec_options"),
+    ({"codec_options": {"group_tokens": 2.5}}, "codec_options"),
 ])
 def test_bad_values_name_the_key(extra, key):
     with pytest.raises(LynxConfigError, match=key):
@@ -123,3 +140,30 @@ def test_params_ttl_defaults_to_the_lease():
     # a lease lengthened for a slow link (a full pool's drain time) lengthens the validity with it
     assert LynxConfig.from_extra_config({"link_gbps": 0.007}).signed_params_ttl_s == 384
     assert LynxConfig.from_extra_config({"lease_s": 45, "params_ttl_s": "300"}).signed_params_ttl_s == 300
+
+
+def test_codec_options_parse_group_sizes_from_strings():
+    cfg = LynxConfig.from_extra_config({"codec_options": {"k_group_tokens": "32", "v_group": "channel"}})
+    assert cfg.codec_options == {"k_group_tokens": 32, "v_group": "channel"}
+
+
+def test_largest_durations_are_accepted_and_reach_the_transport():
+    from lynx_connector.limits import MAX_SECONDS
+
+    cfg = LynxConfig.from_extra_config({"lease_s": MAX_SECONDS, "timeout_s": MAX_SECONDS})
+    tc = cfg.transport_config(0, None, "p")
+    assert tc.lease_s == MAX_SECONDS and tc.timeout_s == MAX_SECONDS
+    with pytest.raises(LynxConfigError, match="lease_s"):  # built directly, not from the extra config
+        LynxConfig(lease_s=MAX_SECONDS * 2)
+
+
+def test_settings_that_fail_only_at_worker_start_name_the_setting(tmp_path):
+    """A fixed side-channel port is offset by the tensor-parallel rank; a status_dir must be a folder."""
+    cfg = LynxConfig.from_extra_config({"side_channel_port": 65535})
+    assert cfg.transport_config(0, None, "p").port == 65535
+    with pytest.raises(LynxConfigError, match="side_channel_port.*rank 1"):
+        cfg.transport_config(1, None, "p")
+    afile = tmp_path / "not_a_folder"
+    afile.write_text("")
+    with pytest.raises(LynxConfigError, match="status_dir"):
+        LynxConfig.from_extra_config({"status_dir": str(afile)}).transport_config(0, None, "p")

@@ -32,6 +32,10 @@ def test_config_defaults_and_rate() -> None:
         ({"num_workers": True}, "num_workers"),
         ({"backend_params": {"a": 1}}, "backend_params"),
         ({"target_progress_s": -0.1}, "target_progress_s"),
+        ({"lease_s": 2e6}, "lease_s"),  # past limits.MAX_SECONDS: the wire's HelloOk refuses such a lease
+        ({"timeout_s": 1e10}, "timeout_s"),  # threading waits refuse timeouts past TIMEOUT_MAX
+        ({"grace_s": 1e7}, "grace_s"),
+        ({"link_gbps": 1e-6, "lease_s": 1e6}, "lower staging_mb or raise link_gbps"),
     ],
 )
 def test_config_rejects(kwargs: dict, needle: str) -> None:
