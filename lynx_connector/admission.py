@@ -43,7 +43,7 @@ class ServerSlots:
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
         self.inflight = dict.fromkeys(urls, 0)
-        self._order = itertools.cycle(urls)
+        self._order = itertools.cycle(list(self.inflight))  # each server once, however often ``urls`` names it
         self._waiters: list[asyncio.Future[str]] = []  # FIFO
         self.admitted = 0
         self.rejected_queue_full = 0
@@ -75,7 +75,10 @@ class ServerSlots:
             fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
             try:
-                url = await asyncio.wait_for(asyncio.shield(fut), self.queue_timeout_s)
+                # Not wait_for(shield(fut)): on Python 3.11 a cancel that lands in the loop step in which fut is
+                # granted is swallowed there (the request would go on after its client left)
+                async with asyncio.timeout(self.queue_timeout_s):
+                    url = await fut
             except TimeoutError:
                 if fut.done() and not fut.cancelled():  # granted in the same instant: give it back
                     self._grant_next(fut.result())

@@ -32,6 +32,10 @@ class NotAvailable(Exception):
     """A subcommand whose module is not part of this version."""
 
 
+class UsageError(Exception):
+    """An argument value refused after parsing (its message names the option): a usage error, exit status 2."""
+
+
 def _optional_module(name: str) -> ModuleType | None:
     """Import ``name``; None when that module itself does not exist (errors inside it propagate)."""
     try:
@@ -96,7 +100,11 @@ def _add_demo(subparsers: Any, load: bool) -> None:
 def _run_proxy(args: argparse.Namespace) -> int:
     from lynx_connector import proxy
 
-    return proxy.run(args)
+    try:
+        config = proxy.config_from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return proxy.run(config)
 
 
 def _run_prepare_model(args: argparse.Namespace) -> int:
@@ -152,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except NotAvailable as e:
         parser.exit(2, f"lynx: {e}\n")
+    except UsageError as e:
+        parser.exit(2, f"lynx {args.command}: error: {e}\n")
     except KeyboardInterrupt:
         return 130
 

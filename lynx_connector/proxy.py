@@ -45,14 +45,17 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 
 from lynx_connector.admission import Overloaded, ServerSlots
 from lynx_connector.concurrent import FLOWS
+from lynx_connector.limits import MAX_SECONDS
 from lynx_connector.logger import configure_process_logging, init_logger
 from lynx_connector.proxy_batch import prompt_list, serve_prompt_list
 from lynx_connector.proxy_flow import FlowBook, serve_pipelined
@@ -114,19 +117,44 @@ class ProxyConfig:
     params_ttl_s: float = 300.0  # how long the params the proxy signs stay valid (P may queue the request)
 
     def __post_init__(self) -> None:
+        """Each bad value is refused here, naming its option (``lynx proxy`` turns it into a usage error)."""
         if not self.prefill or not self.decode:
             raise ValueError("the proxy needs at least one --prefill and one --decode URL")
-        if self.max_inflight < 1 or self.max_queued < 0 or not self.queue_timeout_s > 0:
-            raise ValueError("--max-inflight must be >= 1, --max-queued >= 0 and --queue-timeout > 0")
-        if not self.request_timeout_s > 0 or self.max_body_bytes < 1024:
-            raise ValueError(f"--request-timeout must be > 0 (got {self.request_timeout_s}) and --max-body-bytes "
-                             f">= 1024 (got {self.max_body_bytes})")
+        self.prefill = _server_urls("--prefill", self.prefill)
+        self.decode = _server_urls("--decode", self.decode)
+        for option, value in (("--connect-timeout", self.connect_timeout_s), ("--read-timeout", self.read_timeout_s),
+                              ("--health-timeout", self.health_timeout_s), ("--queue-timeout", self.queue_timeout_s),
+                              ("--request-timeout", self.request_timeout_s), ("--params-ttl", self.params_ttl_s)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 < value <= MAX_SECONDS):
+                raise ValueError(f"{option} must be a number of seconds > 0 and <= {MAX_SECONDS:g}, got {value!r}")
+        for option, value, low in (("--max-inflight", self.max_inflight, 1), ("--max-queued", self.max_queued, 0),
+                                   ("--max-body-bytes", self.max_body_bytes, 1024), ("--port", self.port, 0)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{option} must be an integer >= {low}, got {value!r}")
+        if self.port > 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.flow not in FLOWS:
             raise ValueError(f"--flow must be one of {', '.join(FLOWS)}, got {self.flow!r}")
-        if not self.params_ttl_s > 0:
-            raise ValueError(f"--params-ttl must be > 0, got {self.params_ttl_s}")
-        self.prefill = [normalize_url(u) for u in self.prefill]
-        self.decode = [normalize_url(u) for u in self.decode]
+
+
+def _server_urls(option: str, urls: list[str]) -> list[str]:
+    """``urls`` normalized (``normalize_url``), each an http(s) URL with a host and a valid port, none twice: the
+    admission counts each server once, and the same server under two spellings would be two servers."""
+    out: list[str] = []
+    for raw in urls:
+        url = normalize_url(raw)
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or port == 0 \
+                or parts.query or parts.fragment:
+            raise ValueError(f"{option} {raw!r}: expected host:port or http(s)://host:port[/path]")
+        if url in out:
+            raise ValueError(f"{option} {raw!r}: names the same server as {url!r} already given")
+        out.append(url)
+    return out
 
 
 @dataclass
@@ -391,10 +419,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
                        params_ttl_s=args.params_ttl)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(config: ProxyConfig) -> int:
     """Serve until interrupted."""
     configure_process_logging()
-    config = config_from_args(args)
     logger.info("Lynx proxy on http://%s:%s: prefill %s, decode %s", config.host, config.port,
                 config.prefill, config.decode)
     web.run_app(create_app(config), host=config.host, port=config.port, print=None, **SERVER_OPTIONS)

@@ -1,0 +1,62 @@
+"""The proxy's admission (lynx_connector/admission.py): slot accounting under duplicates, cancels and timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from lynx_connector.admission import Overloaded, ServerSlots
+
+
+def test_a_server_named_twice_is_one_server_and_waiters_are_granted() -> None:
+    """The slots are counted per server: a list naming one twice used to make the least-loaded scan miss the
+    free server (AssertionError in acquire, and in release, where the queued waiter was then never granted)."""
+
+    async def main() -> None:
+        s = ServerSlots("prefill", ["http://a", "http://b", "http://a"], 1, 8, 5.0)
+        got = {await s.acquire(), await s.acquire()}
+        assert got == {"http://a", "http://b"} and s.inflight == {"http://a": 1, "http://b": 1}
+        waiter = asyncio.create_task(s.acquire())
+        await asyncio.sleep(0)
+        s.release("http://b")
+        assert await asyncio.wait_for(waiter, 1.0) == "http://b"
+        assert s.inflight == {"http://a": 1, "http://b": 1}
+
+    asyncio.run(main())
+
+
+def test_a_cancel_in_the_step_of_the_grant_gives_the_slot_back() -> None:
+    """The client leaves in the same loop step as its slot is granted: the request is cancelled (it must not go
+    on without a client) and the slot goes back (Python 3.11's wait_for(shield()) swallowed that cancel)."""
+
+    async def main() -> None:
+        s = ServerSlots("decode", ["a"], 1, 8, 5.0)
+        await s.acquire()
+        t = asyncio.create_task(s.acquire())
+        await asyncio.sleep(0)  # t is queued
+        s.release("a")  # granted to t ...
+        t.cancel()  # ... and cancelled before t ran again
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        assert s.inflight == {"a": 0} and s.stats().queued == 0
+        assert await s.acquire() == "a"
+
+    asyncio.run(main())
+
+
+def test_queue_full_and_queue_timeout_are_overloaded_and_leave_no_slot_counted() -> None:
+    async def main() -> None:
+        s = ServerSlots("prefill", ["a"], 1, 1, 0.05)
+        await s.acquire()
+        waiting = asyncio.create_task(s.acquire())
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded, match="--max-queued 1"):
+            await s.acquire()
+        with pytest.raises(Overloaded, match="--queue-timeout"):
+            await waiting
+        s.release("a")
+        assert s.inflight == {"a": 0} and s.stats().queued == 0
+        assert (s.rejected_queue_full, s.rejected_timeout) == (1, 1)
+
+    asyncio.run(main())
