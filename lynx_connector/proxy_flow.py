@@ -132,8 +132,8 @@ async def serve_pipelined(session: aiohttp.ClientSession, book: FlowBook, prefil
         try:
             return await prefill(session, p_call, p_url, request, body, chat, kv_params=p_params)
         finally:
-            trace("proxy", transfer_id, "p_answered")
             release()
+            trace("proxy", transfer_id, "p_answered")
 
     p_task = asyncio.create_task(run_prefill())
 

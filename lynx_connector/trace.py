@@ -4,7 +4,9 @@
 connector) appends one JSON line per event to ``<path>``: ``{"t": wall seconds, "who": "P"|"D"|"proxy", "key":
 transfer id or request id, "ev": name, ...}``. P, D and the proxy on one machine share its clock, so their lines
 line up (``benchmarks/timeline.py`` reads them). Unset (the default), every call is one dictionary lookup.
-Nothing here is needed to serve: it only records.
+Nothing here is needed to serve: it only records. A path that cannot be written (no such folder, read-only or full
+disk) or a field JSON cannot hold is logged as one warning per path and the event dropped: it never fails the
+request it records.
 """
 
 from __future__ import annotations
@@ -15,10 +17,14 @@ import threading
 import time
 from typing import Any
 
+from lynx_connector.logger import init_logger
+
 __all__ = ["trace", "tracing"]
 
 ENV = "LYNX_TRACE"
 _lock = threading.Lock()
+_warned: set[str] = set()  # paths whose failure has been logged
+logger = init_logger(__name__)
 
 
 def tracing() -> bool:
@@ -30,6 +36,11 @@ def trace(who: str, key: str, ev: str, **fields: Any) -> None:
     path = os.environ.get(ENV)
     if not path:
         return
-    line = json.dumps({"t": time.time(), "who": who, "key": key, "ev": ev, "pid": os.getpid(), **fields})
-    with _lock, open(path, "a", encoding="utf-8") as f:  # one short O_APPEND write per line: lines never interleave
-        f.write(line + "\n")
+    try:
+        line = json.dumps({"t": time.time(), "who": who, "key": key, "ev": ev, "pid": os.getpid(), **fields})
+        with _lock, open(path, "a", encoding="utf-8") as f:  # one short O_APPEND write per line: no interleaving
+            f.write(line + "\n")
+    except (OSError, TypeError, ValueError) as e:
+        if path not in _warned:
+            _warned.add(path)
+            logger.warning("%s=%s: cannot record the timeline (%s); its events are dropped", ENV, path, e)

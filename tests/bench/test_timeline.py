@@ -42,6 +42,24 @@ def test_trace_lines_from_threads_stay_whole(tmp_path: Path, monkeypatch: pytest
     assert all(x["who"] == "D" and x["ev"] == "pull" and isinstance(x["t"], float) for x in lines)
 
 
+def test_a_trace_path_that_cannot_be_written_never_fails_the_caller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """LYNX_TRACE with a typo'd folder (or a full disk): the events are dropped with one warning; trace() used to
+    raise into the serving path (the proxy's pipelined flow then kept the request's prefill slot)."""
+    import logging
+
+    from lynx_connector import trace as trace_mod
+
+    bad = str(tmp_path / "no_such_dir" / "t.jsonl")
+    monkeypatch.setenv(ENV, bad)
+    monkeypatch.setattr(trace_mod, "_warned", set())
+    with caplog.at_level(logging.WARNING):
+        trace("proxy", "k", "start")
+        trace("proxy", "k", "p_answered", odd=object())  # a field JSON cannot hold: dropped too
+        trace("proxy", "k", "end")
+    assert sum(bad in r.getMessage() for r in caplog.records) == 1
+
+
 def test_timeline_lines_up_requests_from_the_proxy_start(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     events = [(10.0, "proxy", "a", "start", {"mode": "int8"}), (10.2, "D", "a", "pull", {}),
