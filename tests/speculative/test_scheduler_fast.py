@@ -101,6 +101,24 @@ def test_held_tokens_are_verified_after_the_rewind(drive):
     clean(d)
 
 
+def test_speculation_counters_are_not_kept_without_the_stats_log(drive):
+    """``--disable-log-stats``: vLLM never asks for the stats, so nothing may be kept for them (each finished
+    speculative request added five list entries, kept for the life of the process)."""
+    d = drive()
+    d.sched.log_stats = False
+    recorded = []
+    record = d.sched._record
+    d.sched._record = lambda st: (recorded.append(st), record(st))
+    d.add("r", 40, ANCHOR, FULL, max_tokens=10)
+    d.load("r")
+    d.step()
+    d.step()
+    d.step(merged={"r"})
+    d.run_until_done("r")
+    assert len(recorded) == 1 and d.sched._stats.is_empty()
+    clean(d)
+
+
 def test_cap_waits_then_verifies_in_passes_of_k(drive):
     d = drive()
     d.add("r", 40, ANCHOR, ANCHOR, max_tokens=12)  # the anchor agrees with full precision: all accepted
