@@ -18,7 +18,8 @@ machine's memory (CPU) or on this GPU. The lab's launcher (and so examples/1p1d/
 
 A choice of the user is never overridden: ``--kv-cache-memory-bytes``, ``--gpu-memory-utilization`` (or its
 alias ``--device-memory-utilization``), either in a ``--config`` YAML file, or ``VLLM_CPU_KVCACHE_SPACE``
-(CPU backend).
+(CPU backend) add nothing; the defaults go before the user's options, so a choice spelled otherwise (an
+abbreviation vLLM's parser accepts) comes last and wins.
 """
 
 from __future__ import annotations
@@ -111,7 +112,11 @@ def gpu_memory_utilization(servers: int) -> float | None:
     """``--gpu-memory-utilization`` of one of ``servers`` sharing a GPU; None for one (vLLM's default)."""
     if servers <= 1:
         return None
-    return math.floor(GPU_SHARED_FRACTION / servers * 100) / 100
+    util = math.floor(GPU_SHARED_FRACTION / servers * 100) / 100
+    if util < 0.01:  # vLLM refuses 0
+        raise MemoryConfigError(f"{SERVERS_ENV}={servers}: {GPU_SHARED_FRACTION} of the GPU shared by {servers} "
+                                "servers is less than 0.01 each; set --gpu-memory-utilization yourself")
+    return util
 
 
 def memory_args(argv: Sequence[str], environ: Mapping[str, str], *, device: str, total_bytes: int) -> list[str]:
@@ -155,10 +160,13 @@ def current_device() -> str:
 
 
 def with_memory_defaults(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:
-    """``vllm serve`` arguments with the options of :func:`memory_args` appended. (Nothing is logged here:
-    vLLM configures logging only after parsing; its ``non-default args`` line shows what was added, e.g.
+    """``vllm serve`` arguments with the options of :func:`memory_args` inserted before the user's options (after
+    the model, when it comes first): argparse keeps the last value, so a choice spelled in a way not recognised
+    here (vLLM's parser accepts abbreviations such as ``--kv-cache-memory 1G``) still wins. (Nothing is logged
+    here: vLLM configures logging only after parsing; its ``non-default args`` line shows what was added, e.g.
     ``'kv_cache_memory_bytes': 2147483648``.)"""
     env = os.environ if environ is None else environ
     device = current_device()
-    return [*argv, *memory_args(argv, env, device=device,
-                                total_bytes=machine_memory_bytes() if device == "cpu" else 0)]
+    added = memory_args(argv, env, device=device, total_bytes=machine_memory_bytes() if device == "cpu" else 0)
+    at = 1 if argv and not argv[0].startswith("-") else 0
+    return [*argv[:at], *added, *argv[at:]]

@@ -76,6 +76,26 @@ def test_machine_memory_is_the_cgroup_limit_when_lower(tmp_path: Path) -> None:
     assert memory.machine_memory_bytes([str(v1)]) == total
 
 
+def test_an_abbreviated_choice_of_the_user_still_wins_in_vllms_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's parser accepts unambiguous abbreviations (``--kv-cache-memory 5G``): not recognised as the user's
+    choice here, the default is added, but before the user's options, so argparse keeps the user's value."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    monkeypatch.setattr(memory, "current_device", lambda: "cpu")
+    for user in (["MODEL", "--kv-cache-memory", "5G"], ["--kv-cache-mem=5G", "MODEL"]):
+        argv = memory.with_memory_defaults(user, {memory.SERVERS_ENV: "2"})
+        assert "--kv-cache-memory-bytes" in argv  # added ...
+        assert parser.parse_args(argv).kv_cache_memory_bytes == 5 << 30  # ... and the user's value is used
+
+
+def test_a_gpu_share_below_one_percent_is_a_clear_error() -> None:
+    assert memory_args(ARGV, {memory.SERVERS_ENV: "85"}, device="cuda", total_bytes=0)[-1] == "0.01"
+    with pytest.raises(MemoryConfigError, match="LYNX_SERVERS_PER_DEVICE=86"):
+        memory_args(ARGV, {memory.SERVERS_ENV: "86"}, device="cuda", total_bytes=0)
+
+
 def test_lynx_serve_appends_them_on_this_cpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     """``lynx serve`` runs vLLM with the defaults appended (vLLM's CLI replaced by a recorder)."""
     import importlib.metadata
@@ -90,7 +110,7 @@ def test_lynx_serve_appends_them_on_this_cpu_machine(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(memory.SERVERS_ENV, "2")
     assert serve.main(ARGV) == 0
     want = memory.cpu_kv_cache_bytes(memory.machine_memory_bytes(), 2)
-    assert seen == [["serve", *ARGV, "--kv-cache-memory-bytes", str(want)]]
+    assert seen == [["serve", ARGV[0], "--kv-cache-memory-bytes", str(want), *ARGV[1:]]]
     monkeypatch.setenv(memory.SERVERS_ENV, "none")
     with pytest.raises(SystemExit, match="lynx serve: LYNX_SERVERS_PER_DEVICE='none'"):
         serve.main(ARGV)
