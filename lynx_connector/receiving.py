@@ -133,8 +133,9 @@ class ReceiveHalf:
             return
         if spec.num_tokens == 0:  # nothing to pull (a full local prefix hit, or it ended unscheduled): P frees now
             return self._discard(spec)
-        need = sum(self._pull_layout(spec).nbytes)
-        if need > self.sink.pool.nbytes:  # can never fit: fail now rather than after waiting for room
+        a, r = self._pull_layout(spec).nbytes
+        need = a + r
+        if not self.sink.pool.fits(a, r):  # can never fit: fail now rather than after waiting for room
             logger.error("LynxConnector: request %s needs %d bytes of staging, more than D's whole pool "
                          "(staging_mb=%d)", spec.req_id, need, self.sink.pool.nbytes >> 20)
             self._fail_unstarted(spec)

@@ -245,7 +245,7 @@ class LynxConnectorWorker(ReceiveHalf):
         assert self.source is not None and self.layout is not None
         sl = self._plane_nbytes(spec.mode, spec.num_tokens)
         a, r = sl.nbytes
-        if a + r > self.source.pool.nbytes:  # can never fit: no point in waiting for room
+        if not self.source.pool.fits(a, r):  # can never fit: no point in waiting for room
             msg = (f"the request needs {a + r} bytes of staging, more than P's whole pool "
                    f"(staging_mb={self.source.pool.nbytes >> 20})")
             logger.error("LynxConnector: request %s not sent: %s", spec.req_id, msg)

@@ -65,7 +65,7 @@ class StagingPool:
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # sorted (offset, size)
         self._used: dict[int, int] = {}  # offset -> size
-        self._requests: dict[str, StagedRequest] = {}
+        self._requests: dict[str, StagedRequest | None] = {}  # None: its regions are being allocated
         self._generations = itertools.count(1)
         self._quarantine: list[tuple[float, int]] = []  # (release at, offset): freed, not reusable yet
 
@@ -82,6 +82,8 @@ class StagingPool:
         with self._lock:
             self._release_quarantine(time.monotonic())
             for i, (off, free) in enumerate(self._free):
+                if free < size and free >= nbytes and off + free == self.nbytes:
+                    size = free  # the pool's last bytes: a size that is no multiple of ALIGN still fits there
                 if free >= size:
                     if free == size:
                         del self._free[i]
@@ -141,6 +143,13 @@ class StagingPool:
         return off
 
     # ---- requests ----------------------------------------------------------------------------
+    def fits(self, anchor_nbytes: int, residual_nbytes: int) -> bool:
+        """Whether the empty pool could hold a request's two regions (as ``alloc_request`` places them: the anchor
+        rounded up to ``ALIGN``): False means it can never be staged here, however long it waits."""
+        if not residual_nbytes:
+            return anchor_nbytes <= self.nbytes
+        return _round_up(anchor_nbytes) + residual_nbytes <= self.nbytes
+
     def alloc_request(self, req_id: str, anchor_nbytes: int, residual_nbytes: int) -> StagedRequest:
         """One anchor and one residual region (residual skipped when 0) for `req_id`."""
         if not isinstance(residual_nbytes, int) or residual_nbytes < 0:
@@ -148,6 +157,15 @@ class StagingPool:
         with self._lock:
             if req_id in self._requests:
                 raise ValueError(f"request {req_id!r} already has staging")
+            self._requests[req_id] = None  # the id is taken now (None: being allocated): a second caller fails above
+        try:
+            return self._alloc_regions(req_id, anchor_nbytes, residual_nbytes)
+        except BaseException:
+            with self._lock:
+                del self._requests[req_id]
+            raise
+
+    def _alloc_regions(self, req_id: str, anchor_nbytes: int, residual_nbytes: int) -> StagedRequest:
         a_off = self.alloc(anchor_nbytes)
         r_off = -1
         if residual_nbytes:
@@ -175,9 +193,10 @@ class StagingPool:
     def free_request(self, req_id: str, quarantine_s: float = 0.0) -> bool:
         """Free a request's regions (reusable only after ``quarantine_s`` when > 0); False if it had none."""
         with self._lock:
-            staged = self._requests.pop(req_id, None)
-        if staged is None:
-            return False
+            staged = self._requests.get(req_id)
+            if staged is None:  # none, or being allocated (its own caller frees it on failure)
+                return False
+            del self._requests[req_id]
         self.free(staged.anchor_offset, quarantine_s)
         if staged.residual is not None:
             self.free(staged.residual_offset, quarantine_s)
@@ -186,12 +205,15 @@ class StagingPool:
     # ---- counters ----------------------------------------------------------------------------
     @property
     def bytes_allocated(self) -> int:
+        """Bytes in regions not free (live or quarantined)."""
         with self._lock:
+            self._release_quarantine(time.monotonic())
             return sum(self._used.values())
 
     @property
     def regions_live(self) -> int:
         with self._lock:
+            self._release_quarantine(time.monotonic())
             return len(self._used)
 
     @property
@@ -215,4 +237,5 @@ class StagingPool:
     @property
     def largest_free(self) -> int:
         with self._lock:
+            self._release_quarantine(time.monotonic())
             return max((s for _, s in self._free), default=0)

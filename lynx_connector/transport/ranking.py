@@ -8,7 +8,7 @@ Each pulled request says how its output depends on its planes (its ``order``, fr
 * ``whole`` (full mode, the anchor-only mode and the single-stream baselines): nothing comes out until every
   plane it pulls has landed, so its planes are one unit, moved back to back.
 
-Rule (``TransportConfig.order``), first match wins, ties by queueing order:
+Rule (``TransportConfig.order``), first match wins, remaining ties by queueing order:
 
 0. **Age bound**: a stream queued for ``max_wait_s`` or longer goes before everything else, oldest first (the
    anchor of a request before its residual), so no stream waits unboundedly behind higher ranks.
@@ -18,7 +18,8 @@ Rule (``TransportConfig.order``), first match wins, ties by queueing order:
    its own anchor has readable bytes to post; with P publishing layer by layer (issue 15) it moves while the
    anchor waits for P (a ``split`` request's in slices of one pipeline poll of link time: scheduler.py).
    ``srpt`` (the default): the
-   unit with the fewest bytes left to post first; ``arrival``: the unit that became ready first (a ``whole``
+   unit with the fewest bytes left to post first (equal ones: the one that became ready first, as in
+   ``arrival``, then queueing order); ``arrival``: the unit that became ready first (a ``whole``
    request when it was queued, a ``split`` residual when its anchor was fully posted).
 
 ``anchor_first`` is the rule before issue 16, kept for comparison: every anchor of any request, in queueing

@@ -85,3 +85,57 @@ def test_pool_single_stream_and_views() -> None:
         pool.offset_of(torch.zeros(10, dtype=torch.float32))
     with pytest.raises(ValueError):
         pool.alloc(0)
+
+
+def test_pool_last_bytes_fit_a_size_that_is_no_multiple_of_the_alignment() -> None:
+    """Regions are rounded up to 256 bytes; the pool's last bytes still take a request that fits them exactly
+    (an empty 10000-byte pool refused 10000 bytes), and ``fits`` tells a request that can never be staged (the
+    worker refuses it as too_large at once instead of letting it wait at the head of the staging queue)."""
+    pool = StagingPool(10_000)
+    off = pool.alloc(10_000)
+    pool.free(off)
+    assert pool.fits(10_000, 0) and not pool.fits(10_001, 0)
+    mib = StagingPool(1 << 20)
+    assert not mib.fits(600_001, 448_575)  # 1 MiB in all, but the anchor's rounding leaves the residual 63 short
+    with pytest.raises(StagingFullError):
+        mib.alloc_request("r", 600_001, 448_575)
+    assert mib.fits(600_001, 448_512)
+    staged = mib.alloc_request("r", 600_001, 448_512)
+    assert staged.residual_offset + 448_512 == 1 << 20
+    assert mib.free_request("r") and mib.free_bytes == 1 << 20 and mib.largest_free == 1 << 20
+
+
+def test_pool_counters_do_not_count_a_quarantine_that_is_over() -> None:
+    import time
+
+    pool = StagingPool(1 << 16)
+    pool.alloc_request("r", 1000, 1000)
+    pool.free_request("r", quarantine_s=0.05)
+    assert pool.bytes_allocated == 2048 and pool.regions_live == 2
+    time.sleep(0.1)
+    assert (pool.bytes_allocated, pool.regions_live, pool.largest_free) == (0, 0, 1 << 16)
+
+
+def test_pool_one_request_id_is_staged_once_even_when_two_callers_race() -> None:
+    """The id is taken before the regions are allocated: a second alloc_request for it in between (another
+    thread) fails, instead of both succeeding and the first's regions never being freed."""
+    pool = StagingPool(1 << 16)
+    alloc, seen = pool.alloc, []
+
+    def alloc_and_race(nbytes: int) -> int:
+        if not seen:
+            seen.append(True)
+            with pytest.raises(ValueError, match="already has staging"):
+                pool.alloc_request("r", 1000, 1000)
+            assert pool.get_request("r") is None and not pool.free_request("r")  # not staged yet
+        return alloc(nbytes)
+
+    pool.alloc = alloc_and_race  # type: ignore[method-assign]
+    staged = pool.alloc_request("r", 1000, 1000)
+    assert pool.get_request("r") is staged and pool.requests_live == 1
+    assert pool.free_request("r") and (pool.regions_live, pool.bytes_allocated, pool.requests_live) == (0, 0, 0)
+    pool.alloc = alloc  # type: ignore[method-assign]
+    with pytest.raises(StagingFullError):  # a failed allocation gives the id back
+        pool.alloc_request("big", 1 << 17, 0)
+    assert pool.requests_live == 0
+    pool.alloc_request("big", 1 << 16, 0)
