@@ -1,6 +1,6 @@
 """``--kv-transfer-config`` presets: short names that expand into the full KVTransferConfig JSON.
 
-Pure data and string handling, no vLLM import, so it is unit-testable anywhere. ``plugin.py`` wires
+Pure data and string handling, no vLLM import at module level, so it is unit-testable anywhere. ``plugin.py`` wires
 :func:`expand_kv_transfer_config` in front of vLLM's own parser for ``--kv-transfer-config``.
 
 Accepted forms (case-insensitive, surrounding whitespace ignored):
@@ -30,7 +30,7 @@ import copy
 import json
 from typing import Any
 
-from lynx_connector.modes import AUTO_MODE, DEFAULT_MODE, auto_candidates, get_mode, is_mode, preset_modes
+from lynx_connector.modes import DEFAULT_MODE, get_mode, preset_modes
 
 PRESET_PREFIX = "lynx"
 CONNECTOR_NAME = "LynxConnector"
@@ -103,8 +103,17 @@ def expand_preset_dict(config: dict[str, Any]) -> dict[str, Any] | None:
     mode = _preset_mode(connector)
     if mode is None:
         return None
-    overrides = {k: v for k, v in config.items() if k != "kv_connector"}
-    return _deep_merge(preset_config(mode), overrides)
+    base = preset_config(mode)
+    # null for a section the preset fills (``kv_connector_extra_config: null``) means "nothing to add"
+    overrides = {k: v for k, v in config.items()
+                 if k != "kv_connector" and not (v is None and isinstance(base.get(k), dict))}
+    extra = overrides.get("kv_connector_extra_config")
+    if ":" in connector and isinstance(extra, dict) and "mode" in extra \
+            and str(extra["mode"]).strip().lower() != mode:
+        raise PresetError(f"the preset {connector.strip()!r} names mode {mode!r} but kv_connector_extra_config sets "
+                          f"mode {extra['mode']!r}: give one of them (the plain preset {PRESET_PREFIX!r} takes any "
+                          "mode from the extra config)")
+    return _deep_merge(base, overrides)
 
 
 def expand_kv_transfer_config(value: str) -> str | None:
@@ -144,17 +153,16 @@ def speculative_defaults(kv_config: Any) -> dict[str, Any] | None:
     extra = get("kv_connector_extra_config") or {}
     if not isinstance(extra, dict):
         return None
-    mode = str(extra.get("mode", DEFAULT_MODE)).strip().lower()
-    if mode == AUTO_MODE:  # auto may pick a mode that needs it (speculative)
-        if not any(get_mode(m).needs_spec_scheduler for m in auto_candidates()):
-            return None
-    elif not is_mode(mode) or not get_mode(mode).needs_spec_scheduler:
-        return None
+    from lynx_connector.config import LynxConfig, LynxConfigError  # parsed as the connector will parse it
+
     try:
-        cap = int(extra.get("max_speculative_tokens", DEFAULT_MAX_SPECULATIVE_TOKENS))
-    except (TypeError, ValueError):
-        cap = DEFAULT_MAX_SPECULATIVE_TOKENS  # the connector reports the bad value itself
-    return speculative_engine_args(max(1, min(cap, MAX_SPEC_LEN)))
+        config = LynxConfig.from_extra_config(extra)
+    except LynxConfigError:
+        return None  # the connector reports the bad value itself, at start-up
+    # auto: only the modes it may pick here (allowed_modes) count
+    if not any(get_mode(m).needs_spec_scheduler for m in config.concrete_modes):
+        return None
+    return speculative_engine_args(max(1, min(config.max_speculative_tokens, MAX_SPEC_LEN)))
 
 
 def speculative_engine_args(k: int = DEFAULT_MAX_SPECULATIVE_TOKENS) -> dict[str, Any]:

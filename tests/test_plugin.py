@@ -74,6 +74,18 @@ def test_json_naming_a_preset_merges_overrides() -> None:
     assert cfg["kv_connector_extra_config"] == {"mode": "anchor", "link_gbps": 10}
 
 
+def test_a_null_section_keeps_the_presets_and_a_contradicting_mode_is_an_error() -> None:
+    value = json.dumps({"kv_connector": "lynx:speculative", "kv_connector_extra_config": None})
+    assert json.loads(expand_kv_transfer_config(value) or "")["kv_connector_extra_config"] == {"mode": "speculative"}
+    with pytest.raises(PresetError, match="'lynx:int8' names mode 'int8'.*sets mode 'int4'"):
+        expand_kv_transfer_config(json.dumps({"kv_connector": "lynx:int8",
+                                              "kv_connector_extra_config": {"mode": "int4"}}))
+    same = json.dumps({"kv_connector": "lynx:int8", "kv_connector_extra_config": {"mode": " INT8"}})
+    assert json.loads(expand_kv_transfer_config(same) or "")["kv_connector_extra_config"]["mode"] == " INT8"
+    plain = json.dumps({"kv_connector": "lynx", "kv_connector_extra_config": {"mode": "int4"}})
+    assert json.loads(expand_kv_transfer_config(plain) or "")["kv_connector_extra_config"] == {"mode": "int4"}
+
+
 def test_preset_config_is_a_fresh_copy() -> None:
     a = preset_config("full")
     a["kv_connector_extra_config"]["mode"] = "int4"

@@ -51,6 +51,21 @@ def test_defaults_only_for_speculative_lynx() -> None:
     assert speculative_defaults(cfg)["speculative_config"]["num_speculative_tokens"] == 128  # vLLM's limit
 
 
+def test_defaults_read_the_extra_config_as_the_connector_does() -> None:
+    """The engine's verification slots equal the connector's cap however it is spelled (``0x20`` is 32 for the
+    connector; it was 64 here), and auto gets the scheduler only when it may pick speculative."""
+    def k(extra: dict) -> int | None:
+        d = speculative_defaults({**preset_config("speculative"), "kv_connector_extra_config": extra})
+        return None if d is None else d["speculative_config"]["num_speculative_tokens"]
+
+    assert k({"mode": "speculative", "max_speculative_tokens": "0x20"}) == 32
+    assert k({"mode": "speculative", "max_speculative_tokens": "16"}) == 16
+    assert k({"mode": "auto"}) == 64
+    assert k({"mode": "auto", "allowed_modes": "auto,full,bf16"}) is None  # auto can never speculate here
+    assert k({"mode": "full", "allowed_modes": "full,speculative"}) is None  # a request's lynx_mode: no scheduler
+    assert k({"mode": "speculative", "max_speculative_tokens": "many"}) is None  # the connector refuses it
+
+
 def test_one_builder_in_both_forms(serve_parser: argparse.ArgumentParser) -> None:
     """speculative_engine_args(k) is what the defaults, the benches and the tests start D with; its serve-flag
     form parses into the same engine arguments; the dotted paths name the real classes."""
