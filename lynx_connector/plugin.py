@@ -13,7 +13,9 @@ It does three things:
    ``EngineArgs.add_cli_args`` and, on each parser it builds, wraps the ``type`` callable of the
    ``--kv-transfer-config`` action so that a preset value is expanded to JSON before vLLM's own
    dataclass parser sees it. JSON values, dotted keys (FlexibleArgumentParser turns them into JSON)
-   and ``--config file.yaml`` (turned into ordinary arguments) all go through the same callable;
+   and ``--config file.yaml`` (turned into ordinary arguments) all go through the same callable; a JSON naming
+   no connector that follows a preset in the same command line (dotted keys beside ``lynx:<mode>``) is merged
+   over it, and vLLM's human-readable numbers (``2M``) are expanded before a JSON is read;
 3. after parsing (a wrapper around the parser's ``parse_known_args``), when the KV transfer config is a
    LynxConnector config in ``speculative`` mode and the user set neither ``--scheduler-cls`` nor a
    speculative config (``--speculative-config`` or ``--spec-*``), fills both in with
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +39,7 @@ from lynx_connector.presets import (
     CONNECTOR_NAME,
     PresetError,
     expand_kv_transfer_config,
+    merge_over_preset,
     preset_names,
     speculative_defaults,
 )
@@ -43,6 +48,20 @@ logger = init_logger(__name__)
 
 KV_TRANSFER_OPTION = "--kv-transfer-config"
 _WRAPPED_MARK = "_lynx_preset_wrapped"
+#: The preset expanded so far in the parse under way (per thread): a later ``--kv-transfer-config`` JSON without
+#: ``kv_connector`` is merged over it. vLLM's parser turns dotted keys into such a JSON, placed last, which would
+#: otherwise replace the preset whole and leave the server with no KV connector at all.
+_parse = threading.local()
+
+
+def _human_numbers(value: str) -> str:
+    """vLLM's expansion of ``80m``/``2M`` in JSON values (its parser applies it after ours): needed before our
+    own ``json.loads``; the value unchanged where this vLLM has none."""
+    try:
+        from vllm.engine.arg_utils import _expand_json_human_readable_numbers
+    except ImportError:
+        return value
+    return _expand_json_human_readable_numbers(value)
 
 
 def register() -> None:
@@ -114,13 +133,22 @@ def install_preset_hook() -> bool:
 
 def _wrap_type(original: Callable[[str], Any] | None) -> Callable[[str], Any]:
     def parse_kv_transfer_config(value: str) -> Any:
+        if isinstance(value, str) and value.strip().startswith("{"):
+            value = _human_numbers(value)
         try:
             expanded = expand_kv_transfer_config(value)
         except PresetError as e:
             raise argparse.ArgumentTypeError(str(e)) from e
+        preset = getattr(_parse, "preset", None)
         if expanded is not None:
             logger.info("Lynx preset %r expanded to --kv-transfer-config %s", value, expanded)
             value = expanded
+            _parse.preset = json.loads(expanded)
+        elif preset is not None:
+            merged = merge_over_preset(preset, value)
+            if merged is not None:
+                logger.info("Lynx preset: --kv-transfer-config %s merged over the preset: %s", value, merged)
+                value = merged
         return original(value) if original is not None else value
 
     setattr(parse_kv_transfer_config, _WRAPPED_MARK, True)
@@ -160,7 +188,12 @@ def _wrap_parse(parser: argparse.ArgumentParser) -> None:
 
     @functools.wraps(original)
     def parse_known_args(args: Any = None, namespace: Any = None) -> Any:
-        ns, rest = original(args, namespace)
+        outer = getattr(_parse, "preset", None)
+        _parse.preset = None
+        try:
+            ns, rest = original(args, namespace)
+        finally:
+            _parse.preset = outer
         try:
             apply_speculative_defaults(ns)
         except Exception:

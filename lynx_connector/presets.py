@@ -116,6 +116,19 @@ def expand_preset_dict(config: dict[str, Any]) -> dict[str, Any] | None:
     return _deep_merge(base, overrides)
 
 
+def merge_over_preset(preset: dict[str, Any], value: str) -> str | None:
+    """``value`` (a ``--kv-transfer-config`` JSON) merged over an expanded ``preset`` when it names no connector (what
+    vLLM's parser makes of dotted keys such as ``--kv-transfer-config.kv_connector_extra_config.link_gbps 10``);
+    None when it names one or is no JSON object (it then replaces the preset, as vLLM does)."""
+    try:
+        parsed = json.loads(value)
+    except (TypeError, json.JSONDecodeError):
+        return None
+    if not isinstance(parsed, dict) or "kv_connector" in parsed:
+        return None
+    return json.dumps(_deep_merge(preset, parsed))
+
+
 def expand_kv_transfer_config(value: str) -> str | None:
     """Expanded JSON for a preset value of ``--kv-transfer-config``; None when ``value`` is no preset.
 

@@ -174,6 +174,25 @@ def test_hook_keeps_json_and_dotted_keys(serve_parser: argparse.ArgumentParser) 
     assert _kv(serve_parser) is None  # no flag: no connector
 
 
+def test_hook_merges_dotted_keys_over_a_preset_and_reads_human_numbers(serve_parser: argparse.ArgumentParser) -> None:
+    """A preset and dotted keys together: vLLM's parser makes the dotted keys a second, later JSON that replaced
+    the preset whole (a server with no KV connector, silently); it is merged over the preset instead. vLLM's
+    human-readable numbers (``2M``) work in a JSON naming a preset as in any other."""
+    kv = _kv(serve_parser, "--kv-transfer-config", "lynx:int8",
+             "--kv-transfer-config.kv_connector_extra_config.link_gbps", "10")
+    assert kv.kv_connector == CONNECTOR_NAME and kv.kv_role == "kv_both"
+    assert kv.kv_connector_extra_config == {"mode": "int8", "link_gbps": 10}
+    kv = _kv(serve_parser, "--kv-transfer-config", '{"kv_connector": "lynx:int8", '
+             '"kv_connector_extra_config": {"chunk_bytes": 2M}}')
+    assert kv.kv_connector == CONNECTOR_NAME and kv.kv_connector_extra_config == {"mode": "int8",
+                                                                                   "chunk_bytes": 2 << 20}
+    # a later JSON naming a connector still replaces the preset (vLLM's rule); the next parse starts afresh
+    kv = _kv(serve_parser, "--kv-transfer-config", "lynx", "--kv-transfer-config",
+             '{"kv_connector":"NixlConnector","kv_role":"kv_both"}')
+    assert kv.kv_connector == "NixlConnector"
+    assert _kv(serve_parser, "--kv-transfer-config", '{"kv_role":"kv_both","kv_connector":"X"}').kv_connector == "X"
+
+
 def test_hook_with_config_file(serve_parser: argparse.ArgumentParser, tmp_path: Path) -> None:
     short = tmp_path / "short.yaml"
     short.write_text("kv-transfer-config: lynx:bf16\n")
