@@ -58,15 +58,22 @@ def kv_compat(*, model: str, layer_names: list[str], layout: KVLayout, codec_opt
               tp_rank: int, tp_size: int) -> dict[str, Any]:
     """The fields P and D must agree on (module docstring); block size, backend, ISA and dtype are not among
     them."""
-    from lynx_connector.codec import INTEGRITY_FORMAT, LYNX_DEFAULTS
+    from lynx_connector.codec import INTEGRITY_FORMAT, get_codec
+    from lynx_connector.modes import LYNX_CODEC
 
+    # the grouping the codec really uses, not the options as spelled: ``group_tokens`` replaces both per-tensor
+    # defaults, so {"group_tokens": 128} and {"group_tokens": 128, "k_group_tokens": 64} differ though the merged
+    # options looked alike (and equal codecs spelled two ways were refused); the default's string is unchanged
+    codec = get_codec(LYNX_CODEC, **dict(codec_options))
+    grouping = {"k_group": codec.k_group, "k_group_tokens": codec.k_tokens, "v_group": codec.v_group,
+                "v_group_tokens": codec.v_tokens}
     return {
         "model": model,
         "layers": len(layer_names),
         "layer_names": ",".join(layer_names),
         "kv_heads": layout.num_heads,
         "head_size": layout.head_size,
-        "lynx_codec": json.dumps({**LYNX_DEFAULTS, **dict(codec_options)}, sort_keys=True, default=str),
+        "lynx_codec": json.dumps(grouping, sort_keys=True),
         "integrity": INTEGRITY_FORMAT,  # the staged layout's trailers
         "tp_rank": tp_rank,
         "tp_size": tp_size,

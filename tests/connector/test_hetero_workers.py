@@ -167,3 +167,23 @@ def test_compat_names_what_must_match_and_nothing_else(make, caplog):
     assert failed == {"d1"} and "incompatible" in errors["d1"], errors
     assert any("incompatible peer" in r.getMessage() and "tp_size: ours=2 theirs=1" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_compat_compares_the_codec_in_use_not_its_spelling():
+    """``group_tokens`` replaces both per-tensor defaults: P with {"group_tokens": 128} and D with 128 plus
+    explicit K 64 / V 32 run different codecs (their merged options looked alike and the handshake accepted
+    them); the same codec spelled two ways is one codec. The default's compat string is unchanged."""
+    import json
+
+    from lynx_connector.codec import LYNX_DEFAULTS
+    from lynx_connector.compat import kv_compat
+
+    layout = KVLayout.from_kv_cache(torch.zeros(4, 2, 16, 128), block_size=16)
+
+    def codec_of(**options):
+        return kv_compat(model="m", layer_names=["l0"], layout=layout, codec_options=options, tp_rank=0,
+                         tp_size=1)["lynx_codec"]
+
+    assert codec_of() == json.dumps(LYNX_DEFAULTS, sort_keys=True)
+    assert codec_of(group_tokens=128) != codec_of(group_tokens=128, k_group_tokens=64, v_group_tokens=32)
+    assert codec_of() == codec_of(group_tokens=7, k_group_tokens=64, v_group_tokens=32)
