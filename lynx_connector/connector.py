@@ -53,8 +53,10 @@ class LynxConnector(KVConnectorBase_V1):
                         self.lynx_config.describe())
             self.connector_scheduler = LynxConnectorScheduler(vllm_config, self.engine_id, self.lynx_config)
         else:
+            from lynx_connector.vllm_fixes import install_guards
             from lynx_connector.worker import LynxConnectorWorker
 
+            install_guards()  # also where VLLM_PLUGINS kept the plugin out of this (spawned) process
             self.connector_worker = LynxConnectorWorker(vllm_config, self.engine_id, self.lynx_config)
 
     def _sched(self) -> LynxConnectorScheduler:

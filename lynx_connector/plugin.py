@@ -75,10 +75,9 @@ def register() -> None:
     except Exception:
         logger.warning("Lynx plugin: installing the --kv-transfer-config preset failed", exc_info=True)
     try:
-        from lynx_connector.vllm_fixes import guard_cpu_expand, guard_empty_top_k
+        from lynx_connector.vllm_fixes import install_guards
 
-        guard_empty_top_k()  # the speculative path's top-k on a batch without drafts (vllm_fixes.py)
-        guard_cpu_expand()  # the rejection sampler's per-token parameters on CPU (vllm_fixes.py)
+        install_guards()  # the speculative path's top-k and the rejection sampler on CPU (vllm_fixes.py)
     except Exception:
         logger.warning("Lynx plugin: installing the guards of vLLM's speculative sampling failed", exc_info=True)
 

@@ -17,7 +17,9 @@ way in). With ``top_k`` set that killed the engine (``RuntimeError: selected ind
 garbage exceeded the vocabulary) or silently sampled with garbage parameters. The guard computes the expansion
 with plain torch on CPU tensors (the same result the kernel documents); other devices go to vLLM's function.
 
-Installed by the plugin in every vLLM process; idempotent; a vLLM without those functions is left alone.
+Installed (:func:`install_guards`) by the plugin in every vLLM process that loads it, and again by the connector's
+worker half (the process that samples): ``VLLM_PLUGINS`` naming other plugins keeps vLLM from loading this one in
+its spawned engine processes. Idempotent; a vLLM without those functions is left alone, with a warning.
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ logger = init_logger(__name__)
 _MARK = "_lynx_empty_batch_guard"
 
 
-def _install(module: str, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+def _install(module: str, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]], *,
+             positional: int) -> bool:
     """Replace ``module.name`` by ``make(original)`` (marked, so a second call is a no-op); True when the guard
-    is in place, False when vLLM (or that function) is not there."""
+    is in place, False when vLLM (or that function) is not there. ``positional``: how many positional arguments
+    the guard passes to vLLM's function (``scripts/check_vllm_api.py`` reads the target and this from the call,
+    to check both against another vLLM version)."""
     try:
         mod = importlib.import_module(module)
     except Exception:  # no vLLM, or another layout: nothing to guard
@@ -63,7 +68,7 @@ def guard_empty_top_k() -> bool:
 
         return apply_top_k_only
 
-    return _install("vllm.v1.sample.ops.topk_topp_sampler", "apply_top_k_only", make)
+    return _install("vllm.v1.sample.ops.topk_topp_sampler", "apply_top_k_only", make, positional=2)
 
 
 def guard_cpu_expand() -> bool:
@@ -83,4 +88,12 @@ def guard_cpu_expand() -> bool:
 
         return expand_batch_to_tokens
 
-    return _install("vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens", make)
+    return _install("vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens", make, positional=5)
+
+
+def install_guards() -> None:
+    """Install both guards (idempotent); a missing target is logged as a warning: that vLLM runs without it."""
+    for name, install in (("apply_top_k_only", guard_empty_top_k), ("expand_batch_to_tokens", guard_cpu_expand)):
+        if not install():
+            logger.warning("Lynx: vLLM's %s was not found; its guard (lynx_connector/vllm_fixes.py) is not "
+                           "installed (speculative mode on the CPU backend may fail)", name)

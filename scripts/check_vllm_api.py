@@ -98,6 +98,15 @@ def collect_uses(files: list[Path], root: Path) -> list[Use]:
                     if alias.name.split(".")[0] == "vllm":
                         imports[alias.asname or alias.name.split(".")[0]] = (alias.name if alias.asname else "vllm", "")
                         add(Use("import", alias.name, ""), f"{rel}:{node.lineno}")
+        for node in ast.walk(tree):  # functions patched by name (lynx_connector/vllm_fixes.py, ``_install``)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_install" \
+                    and len(node.args) >= 2 and all(isinstance(a, ast.Constant) for a in node.args[:2]):
+                mod, name = node.args[0].value, node.args[1].value
+                npos = next((k.value.value for k in node.keywords
+                             if k.arg == "positional" and isinstance(k.value, ast.Constant)), 0)
+                add(Use("import", mod, name), f"{rel}:{node.lineno}")
+                if npos:
+                    add(Use("call", mod, name, (), npos), f"{rel}:{node.lineno}")
         if not imports:
             continue
         _UseVisitor(imports, rel, add).visit(tree)

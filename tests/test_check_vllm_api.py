@@ -190,3 +190,37 @@ def test_cli_writes_both_reports_and_refuses_a_scratch_folder_inside_the_checkou
     assert report["new_version"] == "vllm 9.9.9" and (out.parent / "vllm_api_9.9.9.md").is_file()
     with pytest.raises(SystemExit, match="inside the checkout"):
         api.fetch_wheel("9.9.9", ROOT / "build" / "wheels")
+
+
+def test_functions_patched_by_name_are_checked(api, tmp_path: Path) -> None:
+    """lynx_connector/vllm_fixes.py finds its targets by string (``_install(module, name, make, positional=N)``):
+    a renamed target, or one that takes fewer positional arguments than the guard passes, is breaking."""
+    old_files = {**OLD, "vllm/sampler.py": '''
+        def top_k(logits, k, p=None):
+            return logits
+        def expand(x, cu, n, a=0, b=0):
+            return x
+    '''}
+    plugin_files = {**PLUGIN, "lynx_connector/fixes.py": '''
+        def _install(module, name, make, *, positional):
+            return True
+        def guards():
+            _install("vllm.sampler", "top_k", None, positional=2)
+            _install("vllm.sampler", "expand", None, positional=5)
+    '''}
+    old = write(tmp_path / "old", old_files)
+    new = write(tmp_path / "new", {**old_files, "vllm/sampler.py": '''
+        def apply_top_k(logits, k, p=None):
+            return logits
+        def expand(x, cu, n):
+            return x
+    '''})
+    plugin = write(tmp_path / "plugin", plugin_files)
+    same = _items(api.build_report(old, "old", old, "same", "cmd", root=plugin))
+    assert same[("import", "vllm.sampler:top_k")]["status"] == "ok"
+    assert same[("call", "vllm.sampler:expand")]["status"] == "ok"
+    report = api.build_report(old, "old", new, "new", "cmd", root=plugin)
+    items = _items(report)
+    assert items[("import", "vllm.sampler:top_k")]["status"] != "ok"
+    assert items[("call", "vllm.sampler:expand")]["status"] != "ok"
+    assert report["summary"]["breaking"] >= 2

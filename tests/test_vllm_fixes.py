@@ -56,3 +56,31 @@ def test_cpu_expansion_of_sampling_parameters_is_correct():
     assert mod.expand_batch_to_tokens(x, torch.tensor([0, 0, 0], dtype=torch.int32), 0).numel() == 0
     top_k = torch.tensor([1, 1], dtype=torch.int64)
     assert mod.expand_batch_to_tokens(top_k, torch.tensor([3, 4], dtype=torch.int32), 4).tolist() == [1] * 4
+
+
+def test_guards_are_installed_by_the_worker_half_and_a_missing_target_is_warned(monkeypatch, caplog):
+    """VLLM_PLUGINS naming other plugins keeps vLLM from loading the plugin in its spawned engine processes: the
+    connector's worker half (in the process that samples) installs the guards itself. A vLLM without one of the
+    guarded functions runs without that guard, with a warning (it used to be silent)."""
+    import logging
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    from lynx_connector import connector, vllm_fixes, worker
+
+    calls = []
+    monkeypatch.setattr(vllm_fixes, "install_guards", lambda: calls.append("guards"))
+    monkeypatch.setattr(KVConnectorBase_V1, "__init__", lambda self, *a: None)
+    monkeypatch.setattr(worker, "LynxConnectorWorker", lambda *a: calls.append("worker"))
+    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}, engine_id="e",
+                                                             kv_role="kv_both"))
+    connector.LynxConnector(cfg, KVConnectorRole.WORKER, None)
+    assert calls == ["guards", "worker"]
+    monkeypatch.undo()
+
+    monkeypatch.delattr(topk_topp_sampler, "apply_top_k_only")
+    with caplog.at_level(logging.WARNING):
+        vllm_fixes.install_guards()
+    assert any("apply_top_k_only was not found" in r.getMessage() for r in caplog.records)
