@@ -145,7 +145,10 @@ def _store_bits(dst, i, u, kind):
     elif kind == 1:
         dst[i] = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     else:
-        dst[i] = f32_to_f16_bits(u)
+        h = f32_to_f16_bits(u)
+        if (h & 0x7FFF) == 0x7C00 and (u & 0x7FFFFFFF) < 0x7F800000:
+            h = (h & 0x8000) | 0x7BFF  # a finite decoded value past fp16's range is its largest value (the twin's)
+        dst[i] = h
 
 
 @njit(cache=True, error_model="numpy", inline="always")

@@ -147,7 +147,7 @@ class KVLayout:
         ids = self._check(kv_layer, block_ids, num_tokens)
         if num_tokens == 0:
             return
-        k, v = k.to(self.dtype), v.to(self.dtype)
+        k, v = _fit(k, self.dtype), _fit(v, self.dtype)
         full = ids.numel() * self.block_size
         if full != num_tokens:  # read-modify-write of the last block keeps its later rows intact
             k_old, v_old = self.gather(kv_layer, ids[-1:], self.block_size)
@@ -177,3 +177,13 @@ class KVLayout:
         if kind == "k":
             return TileAddr(sb, sh, base, bs, 0, 1, d, 0, bs)
         return TileAddr(sb, sh, base, bs, 0, d, d, 0, 1)
+
+
+def _fit(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Decoded values in the cache dtype. A codec's top level (``mn + levels * s``, the scale rounded up) may lie a
+    little above the largest finite value of a narrower cache (fp16: 65504) although every value P encoded was
+    within it: such a value is written as that largest value, never as inf."""
+    if x.dtype != dtype and dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(x.dtype).max:
+        fmax = torch.finfo(dtype).max
+        x = x.clamp(-fmax, fmax)
+    return x.to(dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lynx_connector.kernels.errors import NonFiniteKVError
+from lynx_connector.kernels.errors import KVRangeError, NonFiniteKVError
 from lynx_connector.kernels.fp16_meta import FP16_MAX, round_up_fp16
 
 from .base import Codec, check_plane
@@ -62,11 +62,14 @@ class Fp8Codec(Codec):
             amax = xf.abs().amax(-1)
             if not bool(torch.isfinite(amax).all()):
                 raise NonFiniteKVError(f"{name}.{tag}: KV contains NaN or inf; refusing to encode")
-            scale = round_up_fp16(torch.clamp(amax / E4M3_MAX, max=FP16_MAX))
+            if bool((amax / E4M3_MAX > FP16_MAX).any()):  # the fp16 scale cannot reach it: refused, not saturated
+                raise KVRangeError(f"{name}.{tag}: |KV| up to {float(amax.max()):.4g} exceeds what fp8 with an fp16 "
+                                   f"scale holds ({E4M3_MAX * FP16_MAX:.4g})")
+            scale = round_up_fp16(amax / E4M3_MAX)
             safe = torch.where(scale > 0, scale.float(), torch.ones_like(amax))
             q = (xf / safe[..., None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
             buf = out[i * per:(i + 1) * per]
-            buf[:t * h * d].copy_(q.view(torch.uint8).view(-1))
+            buf[:t * h * d].copy_(q.view(torch.uint8).reshape(-1))  # x may be a strided view of one block
             buf[t * h * d:].view(torch.float16).copy_(scale.view(-1))
 
     def check_metadata(self, anchor, num_tokens, num_heads, head_size, cache_dtype, name):  # type: ignore[override]
