@@ -124,7 +124,8 @@ class GroupQuantCodec(Codec):
         for t0 in range(0, t, step):
             t1 = min(t, t0 + step)
             xc = rotate(x[t0:t1]) if group == "hadamard" else x[t0:t1]
-            q = quantize_ref(xc, mode, g, self.levels, rbuf is not None, name)
+            q = quantize_ref(xc, mode, g, self.levels, rbuf is not None,
+                             name if group != "hadamard" else f"{name} (Hadamard-rotated, up to sqrt({d})x the KV)")
             codes_out[t0 * per_tok:t1 * per_tok].copy_(self._pack(q.codes).view(-1))
             m0 = t0 * per_group_tok if mode == "token" else (t0 // g) * per_group_tok
             scale_out[m0:m0 + q.scale.numel()].copy_(q.scale.view(-1))
