@@ -62,13 +62,17 @@ class FlowBook:
     counts: dict[str, int] = field(default_factory=lambda: {"pipelined": 0, "sequential": 0})
 
     def learn(self, p_url: str, body: dict[str, Any], params: dict[str, Any]) -> None:
-        """After a sequential request: P's side channel, and its default mode when the client named none."""
+        """From P's answer (either flow): P's side channel, and its default mode when the client named none."""
         endpoint = PrefillEndpoint.from_params(params)
         if endpoint is not None:
             self.endpoints[p_url] = endpoint
         mode = params.get("lynx_mode")
         if isinstance(mode, str) and client_mode(body) is None:
             self.default_mode[p_url] = AUTO_MODE if params.get(AUTO_KEY) else mode  # P's own mode is auto
+
+    def forget(self, p_url: str) -> None:
+        """P failed: its side channel may have changed (a restart); learn it again from a sequential answer."""
+        self.endpoints.pop(p_url, None)
 
     def plan(self, p_url: str, body: dict[str, Any]) -> tuple[PrefillEndpoint, str] | None:
         """(P's side channel, the request's mode) when this request can go the pipelined way, else None."""
@@ -164,7 +168,7 @@ async def serve_pipelined(session: aiohttp.ClientSession, book: FlowBook, prefil
         await _cancel(p_task)  # P aborts the request and frees its staging
         release()
         raise
-    p_task.add_done_callback(lambda t: (release(), _log_prefill(call.request_id, p_url, t)))
+    p_task.add_done_callback(lambda t: (release(), _after_prefill(book, call.request_id, p_url, body, t)))
     return out
 
 
@@ -174,11 +178,17 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
-def _log_prefill(request_id: str, url: str, task: asyncio.Task[Any]) -> None:
-    """P's answer in the pipelined flow is not needed (D got the KV): only its failure is worth a line."""
+def _after_prefill(book: FlowBook, request_id: str, url: str, body: dict[str, Any], task: asyncio.Task[Any]) -> None:
+    """P's answer in the pipelined flow: D got the KV already, but it names P's side channel as it is now (a P
+    restarted at the same URL listens on new ports: learned here, not used stale for good). P failing makes the
+    proxy forget its side channel: the next request to it goes the sequential way and learns it afresh."""
     if task.cancelled():
         return
     exc = task.exception()
-    if exc is not None:
-        logger.info("request %s: prefill server %s failed in the pipelined flow (D's kv_load_failure_policy "
-                    "applied): %s", request_id, url, getattr(exc, "detail", exc))
+    if exc is None:
+        book.learn(url, body, task.result())
+        return
+    if not isinstance(exc, Passthrough):  # P failed (not a refusal): its side channel may be gone
+        book.forget(url)
+    logger.info("request %s: prefill server %s failed in the pipelined flow (D's kv_load_failure_policy "
+                "applied): %s", request_id, url, getattr(exc, "detail", exc))

@@ -133,6 +133,37 @@ def test_p_failing_leaves_the_answer_to_d(monkeypatch) -> None:
     assert d.received[1]["kv_transfer_params"]["lynx_flow"] == "concurrent"
 
 
+def test_p_side_channel_is_learned_from_every_answer_and_forgotten_when_p_fails(monkeypatch) -> None:
+    """A P restarted at the same URL listens on new side-channel ports (side_channel_port 0): its pipelined answers
+    name them, and the proxy uses them from then on (it kept the first ports it learned, for good). A P that fails
+    is forgotten: the next request to it goes the sequential way and learns its side channel afresh."""
+    _with_key(monkeypatch)
+    p, d = TimedFake("prefill"), TimedFake("decode")
+    flows = []
+
+    async def one(session, url) -> None:
+        async with _post(session, url, BODY) as resp:
+            assert resp.status == 200
+        async with session.get(url + "/lynx/stats") as resp:
+            flows.append(dict((await resp.json())["flows"]))
+
+    async def scenario(session, url):
+        await one(session, url)  # sequential: learns [5600]
+        await one(session, url)
+        p.kv_params = {**p.kv_params, "remote_port": 5700, "lynx_ports": [5700]}  # P restarted
+        await one(session, url)  # still sent to [5600]; P's answer names [5700]
+        await one(session, url)
+        p.status = 500  # P fails: forgotten
+        await one(session, url)
+        p.status = 200
+        await one(session, url)  # sequential again
+
+    run_scenario([p], [d], scenario, flow="pipelined")
+    ports = [r["kv_transfer_params"].get("lynx_ports") for r in d.received]
+    assert ports[:4] == [[5600], [5600], [5600], [5700]]
+    assert [f["sequential"] for f in flows] == [1, 1, 1, 1, 1, 2]
+
+
 @pytest.mark.parametrize("extra, key", [({"n": 2}, True), ({"n": 2.0}, True), ({"n": "3"}, True),
                                         ({"best_of": 2}, True), ({}, False)])
 def test_sequential_when_the_pipelined_flow_cannot_apply(monkeypatch, extra, key) -> None:
