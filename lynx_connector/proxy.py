@@ -238,7 +238,8 @@ async def _handle_generate(request: web.Request, chat: bool) -> web.StreamRespon
                 return error_response(400, "request body must be a JSON object", rid)
             prompts = None if chat else prompt_list(body)
             if prompts is not None:  # one request per prompt (proxy_batch.py)
-                return await serve_prompt_list(lambda c, b: _serve(state, c, request, b, chat), call, body, prompts)
+                return await serve_prompt_list(lambda c, b: _serve(state, c, request, b, chat), call, body, prompts,
+                                               cfg.max_inflight)
             return await _serve(state, call, request, body, chat)
     except TimeoutError:  # the request's deadline (upstream timeouts are ProxyErrors by now)
         logger.warning("request %s: deadline of %gs (--request-timeout) passed during %s%s", rid,
@@ -284,7 +285,7 @@ async def _check(session: aiohttp.ClientSession, url: str, timeout_s: float) -> 
                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             return "ok" if resp.status == 200 else f"HTTP {resp.status}"
     except (TimeoutError, aiohttp.ClientError) as e:
-        return f"unreachable: {e or type(e).__name__}"
+        return f"unreachable: {str(e) or type(e).__name__}"
 
 
 async def handle_health(request: web.Request) -> web.Response:
@@ -305,19 +306,26 @@ async def handle_health(request: web.Request) -> web.Response:
 
 
 async def handle_models(request: web.Request) -> web.StreamResponse:
+    """A decode server's ``/v1/models`` (round-robin); one that is unreachable or slower than ``--health-timeout``
+    is passed over for the next, and only when none answers is the error the client's."""
     state = request.app[STATE_KEY]
     assert state.session is not None
-    url = next(state.models_rr)
     rid = request[RID_KEY]
-    try:
-        async with state.session.get(url + "/v1/models", headers=forward_headers(request, rid)) as resp:
-            payload = await resp.read()
-            return web.Response(body=payload, status=resp.status,
-                                headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
-    except (TimeoutError, aiohttp.ClientError) as e:
-        err = transport_error("decode", url, e)
-        logger.warning("request %s (/v1/models) failed: %s", rid, err.detail)
-        return err.response(rid)
+    timeout = aiohttp.ClientTimeout(total=state.config.health_timeout_s)
+    err = None
+    for _ in state.config.decode:
+        url = next(state.models_rr)
+        try:
+            async with state.session.get(url + "/v1/models", headers=forward_headers(request, rid),
+                                         timeout=timeout) as resp:
+                payload = await resp.read()
+                return web.Response(body=payload, status=resp.status,
+                                    headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
+        except (TimeoutError, aiohttp.ClientError) as e:
+            err = transport_error("decode", url, e)
+            logger.warning("request %s (/v1/models) failed: %s", rid, err.detail)
+    assert err is not None
+    return err.response(rid)
 
 
 async def handle_stats(request: web.Request) -> web.Response:

@@ -341,6 +341,23 @@ def test_health_and_models() -> None:
 
     run_scenario([Fake("prefill")], [None], unhealthy, health_timeout_s=2.0)
 
+    class Silent(Fake):
+        async def health(self, _r: web.Request) -> web.Response:
+            await asyncio.sleep(5)
+            return web.Response()
+
+        models = health
+
+    async def failover(s: aiohttp.ClientSession, url: str) -> None:
+        """/v1/models passes over a decode server that is down or silent; /health names a timeout's kind."""
+        for _ in range(4):
+            async with s.get(url + "/v1/models") as r:
+                assert r.status == 200
+        async with s.get(url + "/health") as r:
+            assert "unreachable: TimeoutError" in (await r.json())["message"]
+
+    run_scenario([Fake("prefill")], [Fake("decode"), None, Silent("decode")], failover, health_timeout_s=0.5)
+
 
 def test_timeout_names_the_side() -> None:
     class Slow(Fake):
