@@ -4,7 +4,6 @@ counted as vLLM counts them, answers merged as vLLM answers, a list taking turns
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import aiohttp
 from aiohttp import web
