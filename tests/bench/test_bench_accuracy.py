@@ -28,7 +28,8 @@ def test_mean_ci_uses_t_quantiles() -> None:
     m, (lo, hi) = accuracy.mean_ci([1.0, 2.0, 3.0])
     assert m == 2.0 and hi - m == pytest.approx(4.303 * 1.0 / math.sqrt(3))
     assert accuracy.mean_ci([1.0]) == (1.0, (None, None))
-    assert accuracy.t95(100) == 1.96 and accuracy.t95(22) == accuracy.t95(20)
+    assert accuracy.t95(100) == 1.984 and accuracy.t95(22) == accuracy.t95(20)
+    assert accuracy.t95(31) == 2.042 and accuracy.t95(1000) == 1.980  # never narrower than t(df) itself
 
 
 def test_bits_per_value() -> None:

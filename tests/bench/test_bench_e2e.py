@@ -367,3 +367,40 @@ def test_speculative_tt32t_target_is_judged_against_what_exactness_allows() -> N
     assert _verdict({**check, **far}) == "FAIL (floor 0.95: unreachable while exact)"
     assert _verdict({**check, **near}) == "FAIL (floor 0.88; needs 25 accepted/request, had 7.5)"
     assert _verdict(check) == "FAIL" and _verdict({**check, "note": "not run"}) == "not run"
+
+
+def test_regimes_are_judged_by_their_ratio_not_their_rank_in_the_run() -> None:
+    """A --ratios 2,10 run judged 2x on no balanced target (the balanced regime was "neither the run's smallest nor
+    its largest"), and a 0.5,2 run judged 2x on the 10x targets."""
+    def row(label, ratio, mode, ttft, limit=None):
+        return {"rate_label": label, "target_ratio": ratio, "mode": mode, "flow": "pipelined", "concurrency": 1,
+                "ttft_s_median": ttft, "tt32_s_median": ttft + 1, "tt64_s_median": ttft + 2, "prefill_s": 1.0,
+                "ttft_vs_limit": None if limit is None else ttft / limit, "speculated": 10, "accepted": 9,
+                "output_equal_full": None}
+
+    two_ten = [row("mid", 2.0, "speculative", 1.1, 1.0), row("slow", 10.0, "speculative", 1.9),
+               row("slow", 10.0, "int4", 1.85)]
+    metrics = {(c["regime"], c["metric"]) for c in e2e.evaluate_targets(two_ten, [2.0, 10.0])}
+    assert ("mid", "pipelined speculative TTFT / limit") in metrics
+    half_two = [row("fast", 0.5, "speculative", 1.04), row("mid", 2.0, "speculative", 1.1, 1.0),
+                row("mid", 2.0, "int8", 1.2)]
+    metrics = {(c["regime"], c["metric"]) for c in e2e.evaluate_targets(half_two, [0.5, 2.0])}
+    assert ("mid", "pipelined speculative TTFT / limit") in metrics
+    assert not any(regime == "mid" and "int8 TTFT / speculative TTFT" in m for regime, m in metrics)
+
+
+def test_failed_requests_fail_their_cell_and_count_against_the_output_share() -> None:
+    """Medians are of the requests that answered: a failed request (an error, or a stream without a token) is a
+    FAIL of its cell, and a failed speculative request is not an output equal to full's."""
+    reqs = [_req("speculative", 1.0, 1, "x"), dict(_req("speculative", 9.0, 2, "y"), error="HTTP 500"),
+            dict(_req("speculative", 1.0, 3, "z"), ttft_s=None, tt32_s=None, tt64_s=None)]
+    row = e2e.summarize_cell(reqs, "speculative", 1024, 1, 0.1, "slow", 0.5, SHAPE, {})
+    assert row["errors"] == 2 and row["ttft_s_median"] == 1.0
+    assert row["speculated"] is None and row["security_s"] is None  # D's counters unread: unknown, not 0
+    row["target_ratio"] = 10.0
+    failed = [c for c in e2e.evaluate_targets([row], [10.0]) if "failed requests" in c["metric"]]
+    assert [(c["value"], c["pass"]) for c in failed] == [(2, False)]
+    full = [_req("full", 1.0, 1, "x"), _req("full", 1.0, 2, "y"), _req("full", 1.0, 3, "z")]
+    e2e.mark_output_equality(reqs + full)
+    assert [r["output_equal_full"] for r in reqs] == [True, False, True]
+    assert e2e.counter_delta(None, {"anchor_bytes": 5.0}) == {} and e2e.merge_p_delta({}, {"sec_p_mac": 1.0}) == {}

@@ -39,3 +39,22 @@ def test_writer_names_its_pid(tmp_path):
     assert body["pid"] == os.getpid() and writer_alive(body)
     assert read_status(tmp_path)["p_staged_requests"] == 3.0
     assert writer_alive({"source": {}})  # a file without a pid (older writer) counts as live
+
+
+def test_an_unreadable_deployment_is_not_idle_and_one_failure_is_never_100_percent():
+    """A P, D or proxy that cannot be read gave empty readings, which read as idle ("idle after: yes"); the
+    success rate was rounded to 4 decimals before the exit status was judged on it."""
+    from types import SimpleNamespace
+
+    from lynx_connector.lab.bench import load
+
+    unreadable = SimpleNamespace(snapshot=lambda: {"t": 0.0})
+    assert load.wait_idle(unreadable, timeout=0.0)["idle"] is False
+    zeros = SimpleNamespace(snapshot=lambda: dict.fromkeys(load.IDLE_KEYS, 0))
+    assert load.wait_idle(zeros, timeout=0.0)["idle"] is True
+    rows = [{"ok": i != 0, "ttft_s": 0.1, "e2e_s": 0.2, "error": None if i else "HTTP 500"} for i in range(20_000)]
+    summary = load.summarize("soak", rows)
+    assert summary["success_rate"] < 1.0 and summary["answered"] == 19_999
+    cfg = {"kv_transfer_config": "lynx", "proxy_args": [], "modes": ["full"], "words": [1, 2], "max_tokens": 4}
+    md = load.markdown({"phases": [summary], "idle_after": {"soak": {"idle": True}}, "config": cfg, "samples": []})
+    assert "99.995%" in md and "100.0%" not in md

@@ -46,7 +46,7 @@ ENGINE_TIMEOUT_S = 1800.0  # per generate() call
 # two-sided 95% t quantiles by degrees of freedom (normal beyond 30)
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-        20: 2.086, 25: 2.060, 30: 2.042}
+        20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 50: 2.009, 60: 2.000, 80: 1.990, 100: 1.984, 120: 1.980}
 
 
 def t95(df: int) -> float:
@@ -54,7 +54,9 @@ def t95(df: int) -> float:
         return float("nan")
     if df in _T95:
         return _T95[df]
-    return 1.96 if df > 30 else _T95[max(k for k in _T95 if k <= df)]
+    # between the table's entries: the next smaller df's (slightly wider: never an interval too narrow); beyond
+    # 120, t(120)
+    return _T95[max(k for k in _T95 if k <= df)]
 
 
 def mean_ci(values: list[float]) -> tuple[float | None, tuple[float | None, float | None]]:

@@ -86,7 +86,7 @@ def e2e_markdown(result: dict[str, Any]) -> str:
     dep_rows = []
     for d in result.get("deployments", []):
         pre = ", ".join(f"{n}: {s:.2f}" for n, s in sorted(d["prefill_s"].items(), key=lambda kv: int(kv[0])))
-        dep_rows.append([d["label"], d["link_gbps"] if d["link_gbps"] is not None else "unpaced",
+        dep_rows.append([d["label"], f"{d['link_gbps']:.4g}" if d["link_gbps"] is not None else "unpaced",
                          d.get("target_ratio"), d.get("bf16_transfer_over_prefill"),
                          d.get("passthrough_transfer_over_prefill"), pre, d.get("loadavg")])
     out.append(_md_table(["deployment", "link Gbit/s", "target BF16/prefill", "measured BF16 (16-bit)/prefill",

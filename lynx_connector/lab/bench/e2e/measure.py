@@ -39,14 +39,14 @@ _COUNTERS = {
 }
 
 
-def scrape_counters(base_url: str) -> dict[str, float]:
-    """The counters above from a server's /metrics (missing ones are 0)."""
+def scrape_counters(base_url: str) -> dict[str, float] | None:
+    """The counters above from a server's /metrics (missing ones are 0); None when /metrics cannot be read."""
     try:
         with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
             text = resp.read().decode("utf-8", "replace")
     except OSError as exc:
         logger.warning("cannot read %s/metrics: %s", base_url, exc)
-        return {}
+        return None
     out = dict.fromkeys(_COUNTERS, 0.0)
     for line in text.splitlines():
         if not line or line.startswith("#"):
@@ -60,13 +60,17 @@ def scrape_counters(base_url: str) -> dict[str, float]:
     return out
 
 
-def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+def counter_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+    """What the counters moved by; empty when either read failed (not the run's totals, nor negative values)."""
+    if before is None or after is None:
+        return {}
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _COUNTERS}
 
 
 def merge_p_delta(delta: dict[str, float], p_delta: dict[str, float]) -> dict[str, float]:
-    """D's counter deltas with P's own security seconds (P's checksums and MACs, scraped from P)."""
-    return {**delta, **{k: v for k, v in p_delta.items() if k.startswith("sec_p_")}}
+    """D's counter deltas with P's own security seconds (P's checksums and MACs, scraped from P); empty when D's
+    could not be read."""
+    return {**delta, **{k: v for k, v in p_delta.items() if k.startswith("sec_p_")}} if delta else {}
 
 
 # ---- running requests ----------------------------------------------------------------------------------------
@@ -268,7 +272,8 @@ def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbp
                    cache_dtype: str = "float32", batches: int = 1) -> dict[str, Any]:
     """One cell's row. An ``auto`` cell's bytes, ideal and limit TTFT are those of the mode P chose for each
     request (``auto_mode`` on the requests, :func:`attribute_auto`); unknown when a request's choice is."""
-    ok = [r for r in got if r["error"] is None]
+    # a request that ended without a single token (a clean but empty stream) failed too
+    ok = [r for r in got if r["error"] is None and r["ttft_s"] is not None]
     modes = request_modes(got, mode)
     known = all(m is not None for m in modes)
     first, total = ((list(x) for x in zip(*(wire_bytes(m, r["prompt_tokens"], shape, cache_dtype)
@@ -295,8 +300,9 @@ def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbp
                            row["decode_step_s"], batches))
     drafted = delta.get("lynx_drafted") or delta.get("vllm_drafted") or 0.0
     accepted = delta.get("lynx_accepted") if delta.get("lynx_drafted") else delta.get("vllm_accepted", 0.0)
-    # speculation figures for the cells that speculate: speculative, and auto when P chose speculative for some
-    spec = any(m is not None and get_mode(m).needs_spec_scheduler for m in modes)
+    # speculation figures for the cells that speculate: speculative, and auto when P chose speculative for some;
+    # unknown (None) when D's counters could not be read
+    spec = bool(delta) and any(m is not None and get_mode(m).needs_spec_scheduler for m in modes)
     row["speculated"] = int(drafted) if spec else None
     row["accepted"] = int(accepted or 0) if spec else None
     row["acceptance"] = (accepted / drafted) if spec and drafted else None
@@ -306,7 +312,7 @@ def summarize_cell(got: list[dict], mode: str, nominal: int, conc: int, link_gbp
     # issue 14's cost: checksums (P computes, D verifies) and side-channel MACs, P and D, per request; an upper
     # bound of what they add to TTFT (as if all of it were on the critical path)
     sec = sum(v for k, v in delta.items() if k.startswith("sec_"))
-    row["security_s"] = sec / len(got) if got else None
+    row["security_s"] = sec / len(got) if got and delta else None
     row["security_vs_ttft"] = (row["security_s"] / row["ttft_s_median"]
                                if row["security_s"] is not None and row["ttft_s_median"] else None)
     found = [r["needle_found"] for r in got if r.get("needle_found") is not None]
@@ -322,7 +328,8 @@ def mark_output_equality(requests: list[dict]) -> None:
     full = {key(r): r["text_sha1"] for r in requests if r["mode"] == "full" and r["error"] is None}
     for r in requests:
         ref = full.get(key(r))
-        r["output_equal_full"] = None if ref is None or r["error"] else r["text_sha1"] == ref
+        # a failed request is not an output equal to full's (it counts against the share, not out of it)
+        r["output_equal_full"] = None if ref is None else (False if r["error"] else r["text_sha1"] == ref)
 
 
 def equality_by_row(rows: list[dict], requests: list[dict]) -> None:

@@ -31,6 +31,10 @@ TARGETS = {
 }
 #: The regimes issue 16's concurrency targets are judged in: 16-bit BF16 transfer at least this x prefill.
 CONC_MIN_RATIO = 2.0
+#: Regimes by their ratio (BF16 transfer time / prefill), whatever else the run measured: at least this is
+#: transfer-dominated (the 10x targets), below 1 compute-dominated (the 0.5x targets), between them balanced
+#: (the 2x targets).
+TRANSFER_DOMINATED = 5.0
 #: The fixed modes auto is judged against (issue 16).
 AUTO_RIVALS = ("bf16", "int8", "full", "speculative")
 #: The flow the earlier issues' targets are judged on: what ``lynx proxy`` runs by default (rows of results
@@ -56,11 +60,8 @@ def evaluate_targets(rows: list[dict], ratios: list[float]) -> list[dict[str, An
     def pooled(label: str, key: str) -> int:
         return sum(r[key] or 0 for r in cells(label, "speculative"))
 
-    # the transfer-dominated (largest ratio, above 1) and the compute-dominated (smallest, below 1) regimes
-    hi = list(dict.fromkeys(r["rate_label"] for r in rows
-                            if ratios and max(ratios) > 1 and r.get("target_ratio") == max(ratios)))
-    lo = list(dict.fromkeys(r["rate_label"] for r in rows
-                            if ratios and min(ratios) < 1 and r.get("target_ratio") == min(ratios)))
+    # the transfer-dominated and compute-dominated regimes, by their ratio (not by rank within the run)
+    hi, lo = regime_labels(rows, "transfer"), regime_labels(rows, "compute")
 
     for label in hi:
         spec, i8, i4, full = (med(label, m, "ttft_s_median") for m in ("speculative", "int8", "int4", "full"))
@@ -94,7 +95,27 @@ def evaluate_targets(rows: list[dict], ratios: list[float]) -> list[dict[str, An
         checks += _pipelined_checks(rows, ratios, med, cells, hi, lo)
     checks += concurrency_checks(rows)
     checks += auto_checks(rows)
+    checks += failure_checks(rows)
     return checks
+
+
+def regime(ratio: float | None) -> str | None:
+    """``transfer``, ``balanced`` or ``compute`` for a cell's ratio (``TRANSFER_DOMINATED``); None unpaced."""
+    if ratio is None:
+        return None
+    return "transfer" if ratio >= TRANSFER_DOMINATED else "compute" if ratio < 1 else "balanced"
+
+
+def regime_labels(rows: list[dict], which: str) -> list[str]:
+    return list(dict.fromkeys(r["rate_label"] for r in rows if regime(r.get("target_ratio")) == which))
+
+
+def failure_checks(rows: list[dict]) -> list[dict[str, Any]]:
+    """A failed request (an error, or no token at all) fails its cell: its medians are of the requests that
+    answered, so without this a mode that failed its slowest requests would look faster."""
+    return [_check(r["rate_label"], f"{r['mode']} failed requests (conc {r['concurrency']}, "
+                                    f"{r.get('flow', 'sequential')} proxy)", r["errors"], "<=", 0)
+            for r in rows if r.get("errors")]
 
 
 def concurrency_checks(rows: list[dict]) -> list[dict[str, Any]]:
@@ -162,9 +183,10 @@ def auto_checks(rows: list[dict]) -> list[dict[str, Any]]:
     for a in rows:
         if a["mode"] != AUTO_MODE:
             continue
-        timed = {m: r["ttft_s_median"] for m, r in _same_cell(rows, a).items()
+        same = _same_cell(rows, a)
+        timed = {m: r["ttft_s_median"] for m, r in same.items()
                  if m in AUTO_RIVALS and r["ttft_s_median"] is not None}
-        missing = [m for m in AUTO_RIVALS if m not in timed]
+        missing = [m if m not in same else f"{m} (no request answered)" for m in AUTO_RIVALS if m not in timed]
         best = min(timed, key=lambda m: timed[m]) if timed else None
         what = (f"auto TTFT / best fixed TTFT ({best if best else 'none'}; conc {a['concurrency']}, "
                 f"{a.get('flow', 'sequential')} proxy" + (f"; not run: {', '.join(missing)}" if missing else "") + ")")
@@ -180,8 +202,7 @@ def _pipelined_checks(rows: list[dict], ratios: list[float], med: Any, cells: An
                       lo: list[str]) -> list[dict[str, Any]]:
     """Issue 15's targets: the pipelined flow against its limit, the sequential int8 and the pipelined int4."""
     out: list[dict[str, Any]] = []
-    mid = sorted(set(ratios) - {min(ratios), max(ratios)}) if len(ratios) > 2 else []
-    balanced = list(dict.fromkeys(r["rate_label"] for r in rows if mid and r.get("target_ratio") in mid))
+    balanced = regime_labels(rows, "balanced")
     p = "pipelined"
     for label in balanced:
         v = med(label, "speculative", "ttft_vs_limit", p)
