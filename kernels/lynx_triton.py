@@ -178,9 +178,9 @@ def decode_kernel(
     if OUT == 1:
         ye = _f32_to_bf16_rne(ye)
         yo = _f32_to_bf16_rne(yo)
-    elif OUT == 2:
-        ye = ye.to(tl.float16)
-        yo = yo.to(tl.float16)
+    elif OUT == 2:  # the top level may lie just above fp16's largest value: written as that value, not inf
+        ye = tl.minimum(tl.maximum(ye, -65504.0), 65504.0).to(tl.float16)
+        yo = tl.minimum(tl.maximum(yo, -65504.0), 65504.0).to(tl.float16)
     tl.store(kv_ptr + oe, ye, mask=m2)
     tl.store(kv_ptr + oo, yo, mask=m2)
 

@@ -102,6 +102,25 @@ def test_triton_bit_exact(backend, isa, dtype, d, kg, vg) -> None:
 
 
 @interpreter_only
+def test_triton_top_of_an_fp16_cache_is_finite_and_the_twins() -> None:
+    """65504 in an fp16 cache: the top level mn + 15 s (s rounded up) lies above it; Triton writes 65504, not inf,
+    bit for bit as the torch twin."""
+    layout = KVLayout.cpu(H, BS, 64, torch.float16, isa="vec16")
+    src = torch.zeros(2, H, BS, 128, dtype=torch.float16)
+    src[..., 0], src[..., 64] = 65504.0, -65504.0
+    src = src.to(DEV)
+    codec = get_codec("lynx")
+    a, r = _encode_both(codec, src, [0, 1], layout, 2 * BS)
+    outs = []
+    for impl in ("torch", "triton"):
+        dst = torch.zeros_like(src)
+        decode_anchor(codec, a, dst, [0, 1], layout, 2 * BS, impl=impl)
+        assert bool(torch.isfinite(dst).all())
+        outs.append(dst.view(torch.uint8))
+    assert torch.equal(outs[0], outs[1])
+
+
+@interpreter_only
 def test_triton_int4_and_nonfinite() -> None:
     layout = KVLayout.cpu(H, BS, 64, torch.float32, isa="vec")
     src = torch.randn(3, H, BS, 128).to(DEV)
