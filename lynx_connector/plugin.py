@@ -54,6 +54,14 @@ _WRAPPED_MARK = "_lynx_preset_wrapped"
 _parse = threading.local()
 
 
+def _preset_name(value: str) -> str:
+    """The preset a ``--kv-transfer-config`` value names: itself, or a JSON's ``kv_connector``."""
+    text = value.strip()
+    if text.startswith("{"):
+        return str(json.loads(text).get("kv_connector", ""))
+    return text
+
+
 def _human_numbers(value: str) -> str:
     """vLLM's expansion of ``80m``/``2M`` in JSON values (its parser applies it after ours): needed before our
     own ``json.loads``; the value unchanged where this vLLM has none."""
@@ -141,10 +149,13 @@ def _wrap_type(original: Callable[[str], Any] | None) -> Callable[[str], Any]:
         preset = getattr(_parse, "preset", None)
         if expanded is not None:
             logger.info("Lynx preset %r expanded to --kv-transfer-config %s", value, expanded)
+            _parse.preset = (_preset_name(value), json.loads(expanded))
             value = expanded
-            _parse.preset = json.loads(expanded)
         elif preset is not None:
-            merged = merge_over_preset(preset, value)
+            try:
+                merged = merge_over_preset(*preset, value)
+            except PresetError as e:
+                raise argparse.ArgumentTypeError(str(e)) from e
             if merged is not None:
                 logger.info("Lynx preset: --kv-transfer-config %s merged over the preset: %s", value, merged)
                 value = merged

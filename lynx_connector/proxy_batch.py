@@ -37,8 +37,9 @@ Serve = Callable[[Call, dict[str, Any]], Awaitable[web.StreamResponse]]
 
 
 def _seq(value: Any) -> list[Any]:
-    """One prompt field as a list of prompts (a string or a list of token ids is one prompt)."""
-    if isinstance(value, list) and value and not isinstance(value[0], int):
+    """One prompt field as a list of prompts (a string or a list of token ids is one prompt; an empty list is
+    none, as vLLM counts it)."""
+    if isinstance(value, list) and (not value or not isinstance(value[0], int)):
         return value
     return [value]
 

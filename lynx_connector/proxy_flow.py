@@ -167,6 +167,7 @@ async def serve_pipelined(session: aiohttp.ClientSession, book: FlowBook, prefil
         await _cancel(d_task)
         await _cancel(p_task)  # P aborts the request and frees its staging
         release()
+        _after_prefill(book, call.request_id, p_url, body, p_task)  # D failed: what P said still counts
         raise
     p_task.add_done_callback(lambda t: (release(), _after_prefill(book, call.request_id, p_url, body, t)))
     return out

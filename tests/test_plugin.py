@@ -182,6 +182,12 @@ def test_hook_merges_dotted_keys_over_a_preset_and_reads_human_numbers(serve_par
              "--kv-transfer-config.kv_connector_extra_config.link_gbps", "10")
     assert kv.kv_connector == CONNECTOR_NAME and kv.kv_role == "kv_both"
     assert kv.kv_connector_extra_config == {"mode": "int8", "link_gbps": 10}
+    with pytest.raises(SystemExit):  # a mode contradicting lynx:int8, as in the one-JSON form
+        _kv(serve_parser, "--kv-transfer-config", "lynx:int8", "--kv-transfer-config.kv_connector_extra_config.mode",
+            "int4")
+    plain = _kv(serve_parser, "--kv-transfer-config", "lynx", "--kv-transfer-config.kv_connector_extra_config.mode",
+                "int4")
+    assert plain.kv_connector_extra_config == {"mode": "int4"}
     kv = _kv(serve_parser, "--kv-transfer-config", '{"kv_connector": "lynx:int8", '
              '"kv_connector_extra_config": {"chunk_bytes": 2M}}')
     assert kv.kv_connector == CONNECTOR_NAME and kv.kv_connector_extra_config == {"mode": "int8",

@@ -8,6 +8,7 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
+from lynx_connector.proxy_batch import prompt_list
 from tests.test_proxy import Fake, check_proxy_error, run_scenario
 
 
@@ -58,6 +59,10 @@ def test_embeddings_and_prompts_are_split_in_vllms_order_and_merged_as_vllm_answ
                                 "prompt_tokens_details": {"cached_tokens": 48}}
 
     run_scenario([p], [d], scenario, flow="sequential")
+    # an empty list is no prompt, as vLLM counts it: such a body is one prompt, sent whole
+    assert prompt_list({"prompt": "hello", "prompt_embeds": []}) is None
+    assert prompt_list({"prompt": [], "prompt_embeds": ["E1", "E2"]}) == [{"prompt_embeds": "E1"},
+                                                                          {"prompt_embeds": "E2"}]
     sent = sorted((sorted(k for k in b if k.startswith("prompt")), b.get("prompt", b.get("prompt_embeds")))
                   for b in p.received)
     assert sent == [(["prompt"], "z"), (["prompt_embeds"], "E1"), (["prompt_embeds"], "E2")]

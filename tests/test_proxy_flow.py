@@ -157,11 +157,17 @@ def test_p_side_channel_is_learned_from_every_answer_and_forgotten_when_p_fails(
         await one(session, url)
         p.status = 200
         await one(session, url)  # sequential again
+        p.kv_params = {**p.kv_params, "remote_port": 5800, "lynx_ports": [5800]}  # P restarted again ...
+        d.status = 500  # ... and D fails its pull from the dead ports: P's answer still teaches the proxy
+        async with _post(session, url, BODY) as resp:
+            assert resp.status == 502
+        d.status = 200
+        await one(session, url)
 
     run_scenario([p], [d], scenario, flow="pipelined")
     ports = [r["kv_transfer_params"].get("lynx_ports") for r in d.received]
-    assert ports[:4] == [[5600], [5600], [5600], [5700]]
-    assert [f["sequential"] for f in flows] == [1, 1, 1, 1, 1, 2]
+    assert ports[:4] == [[5600], [5600], [5600], [5700]] and ports[-1] == [5800]
+    assert [f["sequential"] for f in flows] == [1, 1, 1, 1, 1, 2, 2]
 
 
 @pytest.mark.parametrize("extra, key", [({"n": 2}, True), ({"n": 2.0}, True), ({"n": "3"}, True),

@@ -273,9 +273,8 @@ class LynxSpecScheduler(Scheduler):
         self._record(st)
 
     def _record(self, st: SpecState) -> None:
-        if not self.log_stats:  # --disable-log-stats: make_stats never takes them, so keep none
-            return
-        self._stats.record_speculation(st.speculated, st.accepted, st.committed, st.stopped)
+        if self.log_stats:  # --disable-log-stats: make_stats never takes them, so none are kept
+            self._stats.record_speculation(st.speculated, st.accepted, st.committed, st.stopped)
         req = self.requests.get(st.req_id)
         if self._report_all or (req is not None and (req.kv_transfer_params or {}).get(REPORT_KEY) is True):
             self._done[st.req_id] = st.summary()
