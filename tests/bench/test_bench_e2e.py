@@ -104,7 +104,7 @@ def test_targets_and_report_render(tmp_path: Path) -> None:
             r["target_ratio"] = ratio
             r["output_equal_full"] = 1.0 if mode == "speculative" else None
             rows.append(r)
-    checks = e2e.evaluate_targets(rows, [0.5, 2.0, 10.0])
+    checks = e2e.evaluate_targets(rows)
     by = {(c["regime"], c["metric"]): c["pass"] for c in checks}
     assert by[("slow", "int8 TTFT / speculative TTFT")] is True  # 3.0 / 2.0 = 1.5
     assert by[("slow", "speculative TTFT / int4 TTFT")] is True  # 1.0
@@ -220,13 +220,13 @@ def test_pipelined_targets_compare_flows_side_by_side() -> None:
     rows = [row("slow", 10.0, "int8", "sequential", 4.0), row("slow", 10.0, "speculative", "pipelined", 1.9),
             row("slow", 10.0, "int4", "pipelined", 1.85), row("mid", 2.0, "speculative", "pipelined", 1.1, 1.0),
             row("fast", 0.5, "speculative", "pipelined", 1.04, prefill=1.0)]
-    by = {(c["regime"], c["metric"]): c["pass"] for c in e2e.evaluate_targets(rows, [0.5, 2.0, 10.0])}
+    by = {(c["regime"], c["metric"]): c["pass"] for c in e2e.evaluate_targets(rows)}
     assert by[("slow", "sequential int8 TTFT / pipelined speculative TTFT")] is True  # 4.0 / 1.9
     assert by[("slow", "pipelined speculative TTFT / pipelined int4 TTFT")] is True  # 1.027
     assert by[("mid", "pipelined speculative TTFT / limit")] is True  # 1.1
     assert by[("fast", "pipelined speculative TTFT / prefill")] is True  # 1.04
     rows[1]["ttft_s_median"] = 2.5
-    by = {(c["regime"], c["metric"]): c["pass"] for c in e2e.evaluate_targets(rows, [0.5, 2.0, 10.0])}
+    by = {(c["regime"], c["metric"]): c["pass"] for c in e2e.evaluate_targets(rows)}
     assert by[("slow", "sequential int8 TTFT / pipelined speculative TTFT")] is False  # 1.6
     assert by[("slow", "pipelined speculative TTFT / pipelined int4 TTFT")] is False
 
@@ -329,7 +329,7 @@ def test_concurrency_targets_of_issue_16_judged_per_cell() -> None:
     rows = [row("int8", 4, 10, 10.0, 12.0, 1.1), row("full", 4, 10, 10.5, 12.5), row("speculative", 4, 10, 8.0, 10.5),
             row("int8", 8, 10, 20.0, 22.0, 1.3), row("full", 8, 10, 20.0, 22.0),
             row("int8", 4, 0.5, 5.0, 6.0, 2.0), row("full", 4, 0.5, 9.0, 6.0)]
-    checks = {(c["regime"], c["metric"]): (c["value"], c["pass"]) for c in evaluate_targets(rows, [0.5, 10])}
+    checks = {(c["regime"], c["metric"]): (c["value"], c["pass"]) for c in evaluate_targets(rows)}
     conc = {k: v for k, v in checks.items() if "conc" in k[1]}
     assert conc == {
         ("10x", "full TTFT / int8 TTFT (conc 4, pipelined proxy)"): (pytest.approx(1.05), False),
@@ -338,12 +338,12 @@ def test_concurrency_targets_of_issue_16_judged_per_cell() -> None:
         ("10x", "full TTFT / int8 TTFT (conc 8, pipelined proxy)"): (pytest.approx(1.0), True),
         ("10x", "speculative TT32T / int8 TT32T (conc 8, pipelined proxy)"): (None, None),  # not run
     }
-    floors = {c["metric"]: c.get("floor") for c in evaluate_targets(rows, [0.5, 10]) if "TT32T" in c["metric"]}
+    floors = {c["metric"]: c.get("floor") for c in evaluate_targets(rows) if "TT32T" in c["metric"]}
     assert floors["speculative TT32T / int8 TT32T (conc 4, pipelined proxy)"] == pytest.approx(10.5 / 12.0)
     assert floors["speculative TT32T / int8 TT32T (conc 8, pipelined proxy)"] is None  # no speculative row
     assert [_check_value({"value": v, "target": 1.0}) for v in (1.0004, 0.996, 1.05, 1.0, None)] == \
         ["1.0004", "0.996", 1.05, 1.0, None]
-    only_10x = evaluate_targets([r for r in rows if r["target_ratio"] == 10], [10])
+    only_10x = evaluate_targets([r for r in rows if r["target_ratio"] == 10])
     assert not [c for c in only_10x if "int8 TTFT" in c["metric"] and "conc" not in c["metric"]
                 and c["metric"].startswith(("full", "speculative"))]
 
@@ -380,11 +380,11 @@ def test_regimes_are_judged_by_their_ratio_not_their_rank_in_the_run() -> None:
 
     two_ten = [row("mid", 2.0, "speculative", 1.1, 1.0), row("slow", 10.0, "speculative", 1.9),
                row("slow", 10.0, "int4", 1.85)]
-    metrics = {(c["regime"], c["metric"]) for c in e2e.evaluate_targets(two_ten, [2.0, 10.0])}
+    metrics = {(c["regime"], c["metric"]) for c in e2e.evaluate_targets(two_ten)}
     assert ("mid", "pipelined speculative TTFT / limit") in metrics
     half_two = [row("fast", 0.5, "speculative", 1.04), row("mid", 2.0, "speculative", 1.1, 1.0),
                 row("mid", 2.0, "int8", 1.2)]
-    metrics = {(c["regime"], c["metric"]) for c in e2e.evaluate_targets(half_two, [0.5, 2.0])}
+    metrics = {(c["regime"], c["metric"]) for c in e2e.evaluate_targets(half_two)}
     assert ("mid", "pipelined speculative TTFT / limit") in metrics
     assert not any(regime == "mid" and "int8 TTFT / speculative TTFT" in m for regime, m in metrics)
 
@@ -398,7 +398,7 @@ def test_failed_requests_fail_their_cell_and_count_against_the_output_share() ->
     assert row["errors"] == 2 and row["ttft_s_median"] == 1.0
     assert row["speculated"] is None and row["security_s"] is None  # D's counters unread: unknown, not 0
     row["target_ratio"] = 10.0
-    failed = [c for c in e2e.evaluate_targets([row], [10.0]) if "failed requests" in c["metric"]]
+    failed = [c for c in e2e.evaluate_targets([row]) if "failed requests" in c["metric"]]
     assert [(c["value"], c["pass"]) for c in failed] == [(2, False)]
     full = [_req("full", 1.0, 1, "x"), _req("full", 1.0, 2, "y"), _req("full", 1.0, 3, "z")]
     e2e.mark_output_equality(reqs + full)

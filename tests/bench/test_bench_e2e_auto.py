@@ -151,7 +151,7 @@ def test_auto_target_against_the_best_fixed_mode_of_the_same_cell() -> None:
     assert "not run: int8" in c1["metric"]  # int8 was not in the run: named, the others compared
     assert c4["value"] == pytest.approx(1.5) and "not run: bf16, int8, speculative" in c4["metric"]
     assert alone["value"] is None and alone["note"].startswith("not run")  # no rival through that proxy
-    assert any(c["metric"].startswith("auto TTFT") for c in e2e.evaluate_targets(rows, []))
+    assert any(c["metric"].startswith("auto TTFT") for c in e2e.evaluate_targets(rows))
 
 
 def test_markdown_shows_the_choices_and_the_flow_used() -> None:
@@ -164,7 +164,7 @@ def test_markdown_shows_the_choices_and_the_flow_used() -> None:
                 chosen_source="p_log", flow_used={"sequential": 4})
     fixed["flow_used"] = {"pipelined": 4}
     rows = [auto, fixed]
-    result = {"bench": "e2e", "rows": rows, "checks": e2e.evaluate_targets(rows, []), "config": {}, "model": "m",
+    result = {"bench": "e2e", "rows": rows, "checks": e2e.evaluate_targets(rows), "config": {}, "model": "m",
               "deployments": [], "speculative": {"available": True, "note": "n"}}
     md = report.e2e_markdown(result)
     assert "auto chose (reasons)" in md

@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        "bytes may cross the link from the start of its prefill, after the earlier requests' bytes",
         "targets": TARGETS,
     }
-    result["checks"] = evaluate_targets(rows, ratios)
+    result["checks"] = evaluate_targets(rows)
     result["wall_s"] = time.perf_counter() - t_start
     common.record_environment(result, env)
     from lynx_connector.lab.bench import report

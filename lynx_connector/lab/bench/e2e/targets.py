@@ -42,8 +42,9 @@ AUTO_RIVALS = ("bf16", "int8", "full", "speculative")
 DEFAULT_FLOW = "pipelined"
 
 
-def evaluate_targets(rows: list[dict], ratios: list[float]) -> list[dict[str, Any]]:
-    """The issue's latency targets, judged on concurrency-1 medians pooled per rate (None = not measurable)."""
+def evaluate_targets(rows: list[dict]) -> list[dict[str, Any]]:
+    """The issue's latency targets, judged on concurrency-1 medians pooled per rate (None = not measurable); each
+    row's regime comes from its own ``target_ratio`` (:func:`regime`)."""
     checks: list[dict[str, Any]] = []
 
     flows = {r.get("flow", "sequential") for r in rows}
@@ -94,7 +95,7 @@ def evaluate_targets(rows: list[dict], ratios: list[float]) -> list[dict[str, An
             checks.append(_check(label, f"{m} TTFT / int8 TTFT", v / i8 if v and i8 else None, "<=",
                                  TARGETS["compute_regime_lynx_vs_int8"]))
     if "pipelined" in flows:
-        checks += _pipelined_checks(rows, ratios, med, cells, hi, lo)
+        checks += _pipelined_checks(rows, med, cells, hi, lo)
     checks += concurrency_checks(rows)
     checks += auto_checks(rows)
     checks += failure_checks(rows)
@@ -200,8 +201,7 @@ def auto_checks(rows: list[dict]) -> list[dict[str, Any]]:
     return out
 
 
-def _pipelined_checks(rows: list[dict], ratios: list[float], med: Any, cells: Any, hi: list[str],
-                      lo: list[str]) -> list[dict[str, Any]]:
+def _pipelined_checks(rows: list[dict], med: Any, cells: Any, hi: list[str], lo: list[str]) -> list[dict[str, Any]]:
     """Issue 15's targets: the pipelined flow against its limit, the sequential int8 and the pipelined int4."""
     out: list[dict[str, Any]] = []
     balanced = regime_labels(rows, "balanced")
@@ -257,4 +257,4 @@ def rederive_ideals(result: dict[str, Any]) -> None:
         if known and "decode_step_s" not in row:  # written before the limit existed: its ideal only
             floors = {k: floors[k] for k in ("ideal_ttft_s", "ttft_vs_ideal")}
         row.update(floors)
-    result["checks"] = evaluate_targets(result["rows"], result["config"]["ratios"])
+    result["checks"] = evaluate_targets(result["rows"])
