@@ -53,8 +53,7 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 64 else text[:60] + "..."
 
 
-def _as_float(key: str, value: Any, *, minimum: float | None = None, maximum: float | None = None,
-              allow_none: bool = False) -> float | None:
+def _as_float(key: str, value: Any, *, minimum: float | None = None, allow_none: bool = False) -> float | None:
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
         if allow_none:
             return None
@@ -69,8 +68,6 @@ def _as_float(key: str, value: Any, *, minimum: float | None = None, maximum: fl
         raise LynxConfigError(f"{key}: must be finite, got {_shown(value)}")
     if minimum is not None and out < minimum:
         raise LynxConfigError(f"{key}: must be >= {minimum}, got {_shown(value)}")
-    if maximum is not None and out > maximum:
-        raise LynxConfigError(f"{key}: must be <= {maximum:g}, got {_shown(value)}")
     return out
 
 
@@ -326,8 +323,7 @@ class LynxConfig:
                         ("concurrent_wait_s", 1.0), ("max_stream_wait_s", 0.001), ("auto_window_s", 0.1),
                         ("idle_wait_s", 0.0), ("residual_grace_s", 0.0)):
             if key in extra:
-                kw[key] = _as_float(key, extra[key], minimum=lo, allow_none=key == "lease_s",
-                                    maximum=MAX_SECONDS if key in SECONDS_KEYS else None)
+                kw[key] = _as_float(key, extra[key], minimum=lo, allow_none=key == "lease_s")
         if "side_channel_host" in extra:
             host = str(extra["side_channel_host"]).strip()
             if not host:
@@ -346,8 +342,7 @@ class LynxConfig:
         if "allowed_modes" in extra:
             kw["allowed_modes"] = _as_modes("allowed_modes", extra["allowed_modes"])
         if "params_ttl_s" in extra:
-            kw["params_ttl_s"] = _as_float("params_ttl_s", extra["params_ttl_s"], minimum=1.0, maximum=MAX_SECONDS,
-                                           allow_none=True)
+            kw["params_ttl_s"] = _as_float("params_ttl_s", extra["params_ttl_s"], minimum=1.0, allow_none=True)
         if "fault_injection" in extra:
             fi = extra["fault_injection"]
             kw["fault_injection"] = None if fi in (None, "", "none") else str(fi)
