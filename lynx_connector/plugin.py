@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +40,7 @@ from lynx_connector.presets import (
     expand_kv_transfer_config,
     merge_over_preset,
     preset_names,
+    preset_request,
     speculative_defaults,
 )
 
@@ -52,14 +52,6 @@ _WRAPPED_MARK = "_lynx_preset_wrapped"
 #: ``kv_connector`` is merged over it. vLLM's parser turns dotted keys into such a JSON, placed last, which would
 #: otherwise replace the preset whole and leave the server with no KV connector at all.
 _parse = threading.local()
-
-
-def _preset_name(value: str) -> str:
-    """The preset a ``--kv-transfer-config`` value names: itself, or a JSON's ``kv_connector``."""
-    text = value.strip()
-    if text.startswith("{"):
-        return str(json.loads(text).get("kv_connector", ""))
-    return text
 
 
 def _human_numbers(value: str) -> str:
@@ -149,11 +141,11 @@ def _wrap_type(original: Callable[[str], Any] | None) -> Callable[[str], Any]:
         preset = getattr(_parse, "preset", None)
         if expanded is not None:
             logger.info("Lynx preset %r expanded to --kv-transfer-config %s", value, expanded)
-            _parse.preset = (_preset_name(value), json.loads(expanded))
+            _parse.preset = preset_request(value)
             value = expanded
         elif preset is not None:
             try:
-                merged = merge_over_preset(*preset, value)
+                merged = merge_over_preset(preset, value)
             except PresetError as e:
                 raise argparse.ArgumentTypeError(str(e)) from e
             if merged is not None:

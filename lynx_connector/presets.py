@@ -107,34 +107,34 @@ def expand_preset_dict(config: dict[str, Any]) -> dict[str, Any] | None:
     # null for a section the preset fills (``kv_connector_extra_config: null``) means "nothing to add"
     overrides = {k: v for k, v in config.items()
                  if k != "kv_connector" and not (v is None and isinstance(base.get(k), dict))}
-    _check_mode(connector, mode, overrides.get("kv_connector_extra_config"))
-    return _deep_merge(base, overrides)
-
-
-def _check_mode(connector: str, mode: str, extra: Any) -> None:
-    """A ``lynx:<mode>`` preset and an extra config naming another mode contradict each other (PresetError)."""
+    extra = overrides.get("kv_connector_extra_config")
     if ":" in connector and isinstance(extra, dict) and "mode" in extra \
             and str(extra["mode"]).strip().lower() != mode:
         raise PresetError(f"the preset {connector.strip()!r} names mode {mode!r} but kv_connector_extra_config sets "
                           f"mode {extra['mode']!r}: give one of them (the plain preset {PRESET_PREFIX!r} takes any "
                           "mode from the extra config)")
+    return _deep_merge(base, overrides)
 
 
-def merge_over_preset(name: str, preset: dict[str, Any], value: str) -> str | None:
-    """``value`` (a ``--kv-transfer-config`` JSON) merged over ``preset``, the expansion of the preset ``name``,
-    when it names no connector (what vLLM's parser makes of dotted keys such as
-    ``--kv-transfer-config.kv_connector_extra_config.link_gbps 10``); None when it names one or is no JSON object
-    (it then replaces the preset, as vLLM does). A mode contradicting ``lynx:<mode>`` is a PresetError."""
+def preset_request(value: str) -> dict[str, Any]:
+    """A ``--kv-transfer-config`` value that names a preset, as a config dict: ``lynx:int8`` is
+    ``{"kv_connector": "lynx:int8"}``, a JSON is itself."""
+    text = value.strip()
+    return json.loads(text) if text.startswith("{") else {"kv_connector": text}
+
+
+def merge_over_preset(preset: dict[str, Any], value: str) -> str | None:
+    """``value`` (a ``--kv-transfer-config`` JSON) merged over ``preset`` (:func:`preset_request` of a value that
+    named a preset) and expanded as one preset config, when it names no connector (what vLLM's parser makes of
+    dotted keys such as ``--kv-transfer-config.kv_connector_extra_config.link_gbps 10``); None when it names one or
+    is no JSON object (it then replaces the preset, as vLLM does)."""
     try:
         parsed = json.loads(value)
     except (TypeError, json.JSONDecodeError):
         return None
     if not isinstance(parsed, dict) or "kv_connector" in parsed:
         return None
-    mode = _preset_mode(name)
-    if mode is not None:
-        _check_mode(name, mode, parsed.get("kv_connector_extra_config"))
-    return json.dumps(_deep_merge(preset, parsed))
+    return json.dumps(expand_preset_dict(_deep_merge(preset, parsed)))
 
 
 def expand_kv_transfer_config(value: str) -> str | None:
