@@ -80,11 +80,11 @@ def _meta(gmin, gmax, LEVELS: tl.constexpr):
 def encode_kernel(
     kv_ptr, ids_ptr, codes_ptr, res_ptr, scale_ptr, mn_ptr,
     T, H, BS: tl.constexpr, s_b, s_h, base, PT: tl.constexpr, s_t1, s_t0, PD: tl.constexpr, s_d1, s_d0,
-    D: tl.constexpr, HALF: tl.constexpr, CHANNEL: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, CHANNEL: tl.constexpr, G: tl.constexpr,
     BLOCK_R: tl.constexpr, LEVELS: tl.constexpr, RES: tl.constexpr,
 ):
     """Token mode: program = BLOCK_R (token, head) rows. Channel mode: program = (token group, head)."""
-    cols = tl.arange(0, HALF)
+    cols = tl.arange(0, HALF_P)  # HALF padded to a power of two (head sizes 80, 96, ...); masked to HALF
     if CHANNEL:
         h = tl.program_id(1)
         t = tl.program_id(0) * G + tl.arange(0, G)
@@ -113,15 +113,17 @@ def encode_kernel(
         mn_e, s_e = _meta(gmin_e, gmax_e, LEVELS)
         mn_o, s_o = _meta(gmin_o, gmax_o, LEVELS)
         mbase = (tl.program_id(0) * H + h) * D + 2 * cols
-        tl.store(scale_ptr + mbase, s_e)
-        tl.store(scale_ptr + mbase + 1, s_o)
-        tl.store(mn_ptr + mbase, mn_e)
-        tl.store(mn_ptr + mbase + 1, mn_o)
+        cmask = cols < HALF
+        tl.store(scale_ptr + mbase, s_e, mask=cmask)
+        tl.store(scale_ptr + mbase + 1, s_o, mask=cmask)
+        tl.store(mn_ptr + mbase, mn_e, mask=cmask)
+        tl.store(mn_ptr + mbase + 1, mn_o, mask=cmask)
         ae, re = _codes(xe, mn_e.to(tl.float32)[None, :], s_e.to(tl.float32)[None, :], LEVELS)
         ao, ro = _codes(xo, mn_o.to(tl.float32)[None, :], s_o.to(tl.float32)[None, :], LEVELS)
     else:
-        gmin = tl.minimum(tl.min(xe, axis=1), tl.min(xo, axis=1))
-        gmax = tl.maximum(tl.max(xe, axis=1), tl.max(xo, axis=1))
+        cm = (cols < HALF)[None, :]  # padding columns must not enter a row's range
+        gmin = tl.minimum(tl.min(tl.where(cm, xe, inf), axis=1), tl.min(tl.where(cm, xo, inf), axis=1))
+        gmax = tl.maximum(tl.max(tl.where(cm, xe, -inf), axis=1), tl.max(tl.where(cm, xo, -inf), axis=1))
         mn16, s16 = _meta(gmin, gmax, LEVELS)
         tl.store(scale_ptr + rows, s16, mask=rmask)
         tl.store(mn_ptr + rows, mn16, mask=rmask)
@@ -139,13 +141,13 @@ def encode_kernel(
 def decode_kernel(
     kv_ptr, ids_ptr, codes_ptr, res_ptr, scale_ptr, mn_ptr,
     T, H, BS: tl.constexpr, s_b, s_h, base, PT: tl.constexpr, s_t1, s_t0, PD: tl.constexpr, s_d1, s_d0,
-    D: tl.constexpr, HALF: tl.constexpr, CHANNEL: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, CHANNEL: tl.constexpr, G: tl.constexpr,
     BLOCK_R: tl.constexpr, RES: tl.constexpr, OUT: tl.constexpr,
 ):
     """Write anchor (RES=False) or full (RES=True) values of BLOCK_R (token, head) rows into the cache.
     OUT: 0 fp32, 1 bf16 (hand RNE), 2 fp16."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, HALF)
+    cols = tl.arange(0, HALF_P)  # HALF padded to a power of two (head sizes 80, 96, ...); masked to HALF
     rmask = rows < T * H
     m2 = rmask[:, None] & (cols[None, :] < HALF)
     t = rows // H
@@ -203,7 +205,7 @@ def encode_paged(
     encode_kernel[grid](
         kv_layer, block_ids, codes, codes if residual is None else residual, scale, mn,
         t, h, block_size, *_addr_args(addr),
-        D=head_size, HALF=head_size // 2, CHANNEL=channel, G=group_tokens,
+        D=head_size, HALF=head_size // 2, HALF_P=triton.next_power_of_2(head_size // 2), CHANNEL=channel, G=group_tokens,
         BLOCK_R=block_rows, LEVELS=15, RES=residual is not None,
         enable_fp_fusion=FP_FUSION, num_warps=NUM_WARPS,
     )
@@ -219,7 +221,7 @@ def decode_paged(
     decode_kernel[(triton.cdiv(t * h, block_rows),)](
         kv_layer, block_ids, codes, codes if residual is None else residual, scale, mn,
         t, h, block_size, *_addr_args(addr),
-        D=head_size, HALF=head_size // 2, CHANNEL=channel, G=group_tokens,
+        D=head_size, HALF=head_size // 2, HALF_P=triton.next_power_of_2(head_size // 2), CHANNEL=channel, G=group_tokens,
         BLOCK_R=block_rows, RES=residual is not None, OUT=_OUT[kv_layer.dtype],
         enable_fp_fusion=FP_FUSION, num_warps=NUM_WARPS,
     )

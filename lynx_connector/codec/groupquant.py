@@ -1,6 +1,7 @@
 """Group-wise asymmetric integer codecs: Lynx 4+4 (two streams) and the INT8 / INT4 / INT4-KIVI baselines.
 
-Plane format (all offsets even, so the fp16 metadata views are aligned):
+Plane format (4-bit codes of t*h*d/2 bytes put the fp16 metadata at an odd offset when h*d % 4 == 2 and t is odd:
+those views are aligned copies, written back by ``_commit``, so every head size numba accepts works here too):
   anchor   = [K codes | K scale | K min | V codes | V scale | V min]
   residual = [K residual codes | V residual codes]              (Lynx only)
 Codes are token-major ``[T, H, D]``; 4-bit codes are packed two per byte along D (low nibble first).
@@ -32,6 +33,11 @@ CHUNK_ELEMS = 1 << 17  # values per chunk on the CPU: keeps the ~15-op elementwi
 # has no Triton kernel) encode at 0.5 GB/s on an H200 (benchmarks/results/gpu/gpu_codec.md). 16M values (a
 # 16K-token request of 8 KV heads x 128 in one chunk) bound the fp32 temporaries to a few hundred MB.
 GPU_CHUNK_ELEMS = 1 << 24
+
+
+def _fp16(part: torch.Tensor) -> torch.Tensor:
+    """fp16 view of plane bytes; an aligned copy when they start at an odd byte (see ``_commit``)."""
+    return (part if part.storage_offset() % 2 == 0 else part.clone()).view(torch.float16)
 
 
 def _mode(group: str) -> str:
@@ -103,10 +109,16 @@ class GroupQuantCodec(Codec):
     def _split(self, buf: torch.Tensor, group: str, g: int, t: int, h: int, d: int) -> tuple[torch.Tensor, ...]:
         """(codes, scale, min) views of one tensor's part of the anchor plane."""
         nc, ng = self._codes_nbytes(t, h, d), self._meta_groups(group, g, t, h, d)
-        codes = buf[:nc]
-        scale = buf[nc:nc + 2 * ng].view(torch.float16)
-        mn = buf[nc + 2 * ng:nc + 4 * ng].view(torch.float16)
-        return codes, scale, mn
+        return buf[:nc], _fp16(buf[nc:nc + 2 * ng]), _fp16(buf[nc + 2 * ng:nc + 4 * ng])
+
+    def _commit(self, buf: torch.Tensor, group: str, g: int, t: int, h: int, d: int,
+                scale: torch.Tensor, mn: torch.Tensor) -> None:
+        """Write metadata filled through ``_split``'s views back when they were aligned copies (odd offset)."""
+        nc, ng = self._codes_nbytes(t, h, d), self._meta_groups(group, g, t, h, d)
+        for lo, meta in ((nc, scale), (nc + 2 * ng, mn)):
+            part = buf[lo:lo + 2 * ng]
+            if ng and meta.data_ptr() != part.data_ptr():
+                part.copy_(meta.view(torch.uint8))
 
     # ---- encode ---------------------------------------------------------------------------------------
     def _pack(self, codes: torch.Tensor) -> torch.Tensor:
@@ -133,6 +145,7 @@ class GroupQuantCodec(Codec):
             if rbuf is not None:
                 half = h * d // 2
                 rbuf[t0 * half:t1 * half].copy_(pack_nibbles(q.residual).view(-1))
+        self._commit(abuf, group, g, t, h, d, scale_out, mn_out)
 
     def encode_tokens(
         self, k: torch.Tensor, v: torch.Tensor, anchor_out: torch.Tensor, residual_out: torch.Tensor | None, name: str

@@ -25,7 +25,7 @@ def supports_triton(codec: Codec) -> bool:
 
 
 def _parts(codec: GroupQuantCodec, anchor, residual, t: int, h: int, d: int):
-    """Per tensor (K, V): (group, group_tokens, codes, residual codes | None, scale, min) plane views."""
+    """Per tensor (K, V): (group, group_tokens, codes, residual codes | None, scale, min, its anchor bytes)."""
     na, nr = codec.plane_nbytes(t, h, d, torch.float32)
     anchor = check_plane(anchor, na, "anchor")
     if residual is not None:
@@ -37,7 +37,7 @@ def _parts(codec: GroupQuantCodec, anchor, residual, t: int, h: int, d: int):
     for i, (group, g, abuf) in enumerate(tensors):
         codes, scale, mn = codec._split(abuf, group, g, t, h, d)
         res = None if residual is None else residual[i * half:(i + 1) * half]
-        out.append((group, g, codes, res, scale, mn))
+        out.append((group, g, codes, res, scale, mn, abuf))
     return out
 
 
@@ -57,11 +57,12 @@ def encode_triton(
     ids = _ids(kv_layer, block_ids, layout, t)
     if t == 0:
         return
-    for kind, (group, g, codes, res, scale, mn) in zip(
+    for kind, (group, g, codes, res, scale, mn, abuf) in zip(
         "kv", _parts(codec, anchor_out, residual_out if codec.two_stream else None, t, h, d), strict=True
     ):
         encode_paged(kv_layer, ids, layout.tile_addr(kv_layer, kind), t, h, layout.block_size, d, codes, res,
                      scale, mn, group == "channel", g, block_rows)
+        codec._commit(abuf, group, g, t, h, d, scale, mn)
         if not (bool(torch.isfinite(scale).all()) and bool(torch.isfinite(mn).all())):
             raise NonFiniteKVError(f"{layer_name}.{kind}: KV contains NaN/inf or exceeds the fp16 metadata range")
 
@@ -78,6 +79,6 @@ def decode_triton(
     ids = _ids(kv_layer, block_ids, layout, t)
     if t == 0:
         return
-    for kind, (group, g, codes, res, scale, mn) in zip("kv", _parts(codec, anchor, residual, t, h, d), strict=True):
+    for kind, (group, g, codes, res, scale, mn, _) in zip("kv", _parts(codec, anchor, residual, t, h, d), strict=True):
         decode_paged(kv_layer, ids, layout.tile_addr(kv_layer, kind), t, h, layout.block_size, d, codes, res,
                      scale, mn, group == "channel", g, block_rows)

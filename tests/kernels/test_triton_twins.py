@@ -71,6 +71,9 @@ CASES = [
     ("cpu", "vec", torch.bfloat16, 256, "channel", "channel"),
     ("flash", None, torch.bfloat16, 64, "channel", "channel"),
     ("flash", None, torch.float32, 128, "token", "channel"),
+    # head sizes whose half is not a power of two (Phi-2's 80, Phi-3's 96): padded columns, masked
+    ("flash", None, torch.bfloat16, 96, "channel", "token"),
+    ("cpu", "vec16", torch.float16, 80, "token", "channel"),
 ]
 
 
@@ -162,3 +165,24 @@ def test_triton_default_lynx_one_head_256(backend, dtype) -> None:
                 merge_residual(codec, a, r, dst, ids, layout, t, impl=impl)
             outs.append(dst.view(torch.uint8))
         assert torch.equal(outs[0], outs[1])
+
+
+@interpreter_only
+@pytest.mark.parametrize(("h", "t"), [(1, 1), (3, 5)])
+def test_triton_odd_metadata_offset(h, t) -> None:
+    """head_size 2 with an odd h*t: the K codes end at an odd byte, so the fp16 metadata the kernels write and read
+    sits at an odd offset of the anchor plane (aligned copies in the dispatch); planes and caches equal the twin's."""
+    layout = KVLayout.flash(h, BS, 2, torch.float32)
+    gen = torch.Generator().manual_seed(h)
+    src = torch.randn(2, h, BS, 4, generator=gen).to(DEV)
+    for kg in ("token", "channel"):
+        codec = get_codec("lynx", k_group=kg, v_group="token", k_group_tokens=16)
+        a, r = _encode_both(codec, src, [1], layout, t)
+        outs = []
+        for impl in ("torch", "triton"):
+            dst = torch.zeros_like(src)
+            merge_residual(codec, a, r, dst, [1], layout, t, impl=impl)
+            outs.append(dst.view(torch.uint8))
+        assert torch.equal(outs[0], outs[1])
+        want, got = layout.gather(src, [1], t), layout.gather(dst, [1], t)
+        assert all(float((g - w).abs().max()) < 0.05 for g, w in zip(got, want, strict=True))
