@@ -310,7 +310,8 @@ class LynxConnectorScheduler:
     def _decode_mode(self, request: Request, mode: str) -> str:
         """D's mode for a pull: speculation needs the Lynx scheduler, otherwise the request is served as its
         mode's fallback (the modes table: full). Structured-output requests are served as the fallback too (held
-        tokens would bypass the grammar)."""
+        tokens would bypass the grammar), and so are seeded sampled ones: speculation samples from the right
+        distribution, but its draws depend on when the residual lands, so a seed would not give the same text twice."""
         row = get_mode(mode)
         if not row.needs_spec_scheduler:
             return mode
@@ -319,6 +320,10 @@ class LynxConnectorScheduler:
         req_id = request.request_id
         if request.use_structured_output:
             logger.info("Request %s uses structured output: served as '%s' instead of '%s'", req_id, fallback, mode)
+            return fallback
+        if _seeded(request):
+            logger.info("Request %s samples with a seed: served as '%s' instead of '%s' (reproducible)", req_id,
+                        fallback, mode)
             return fallback
         if self.speculation_enabled:
             return mode
@@ -475,3 +480,11 @@ def _pulled(request: Request) -> None:
     of a request with ``n > 1`` share one dict when the engine runs in-process (vLLM copies sampling params
     shallowly), and a sibling must still pull its own KV."""
     request.kv_transfer_params = {**(request.kv_transfer_params or {}), "do_remote_prefill": False}
+
+
+def _seeded(request: Request) -> bool:
+    """The request samples with a seed (``temperature > 0`` and ``seed`` set: vLLM's RANDOM_SEED)."""
+    from vllm.sampling_params import SamplingType
+
+    sp = getattr(request, "sampling_params", None)
+    return sp is not None and sp.sampling_type == SamplingType.RANDOM_SEED
