@@ -18,7 +18,7 @@ from lynx_connector.signing import REFUSAL_REASONS
 
 _LIST_KEYS = ("anchor_bytes", "anchor_s", "residual_bytes", "residual_s", "request_s",
               "encode_anchor_bytes", "encode_residual_bytes", "encode_s",
-              "spec_drafted", "spec_accepted", "spec_early", "spec_stop_low_margin",
+              "spec_drafted", "spec_accepted", "spec_dropped", "spec_early", "spec_stop_low_margin",
               "spec_stop_first_token_mismatch")
 #: Why a request's transfer failed (the ``reason`` label of ``vllm:lynx_failed_transfers``): D could not load it
 #: (peer, transfer or deadline), D's integrity check refused it, no staging in time on P or D, too large for
@@ -86,12 +86,15 @@ class LynxStats(KVConnectorStats):
         """One ``auto`` choice (P): the mode chosen and why (lynx_connector.auto.AUTO_REASONS)."""
         self.data["auto"].append([mode, reason])
 
-    def record_speculation(self, drafted: int, accepted: int, early: int = 0, stopped: str | None = None) -> None:
+    def record_speculation(self, drafted: int, accepted: int, early: int = 0, stopped: str | None = None,
+                           dropped: int = 0) -> None:
         """One speculative request: tokens decoded on the anchor and held, how many verification accepted,
-        ``early`` tokens released on the anchor (P's full-precision first token), and why decoding on the
-        anchor stopped before the cap, if it did: "low_margin" or "first_token_mismatch"."""
+        ``early`` tokens released on the anchor (P's full-precision first token), why decoding on the
+        anchor stopped before the cap, if it did ("low_margin" or "first_token_mismatch"), and how many held
+        tokens were dropped before verification reached them (preempted, or the residual failed)."""
         self.data["spec_drafted"].append(int(drafted))
         self.data["spec_accepted"].append(int(accepted))
+        self.data["spec_dropped"].append(int(dropped))
         self.data["spec_early"].append(int(early))
         for reason in ("low_margin", "first_token_mismatch"):
             self.data[f"spec_stop_{reason}"].append(int(stopped == reason))
@@ -146,12 +149,14 @@ class LynxStats(KVConnectorStats):
             out[key] = out.get(key, 0) + int(n)
         if d["spec_drafted"]:
             drafted, accepted = sum(d["spec_drafted"]), sum(d["spec_accepted"])
+            dropped = sum(d["spec_dropped"])
             out["First tokens released on the anchor"] = sum(d["spec_early"])
             out["Speculations stopped on a low margin"] = sum(d["spec_stop_low_margin"])
             out["Speculations stopped on a first-token mismatch"] = sum(d["spec_stop_first_token_mismatch"])
             out["Speculated tokens"] = drafted
             out["Accepted tokens"] = accepted
-            out["Rejected tokens"] = drafted - accepted
+            out["Rejected tokens"] = drafted - accepted - dropped
+            out["Dropped tokens (preempted or residual failed)"] = dropped
             out["Acceptance rate"] = round(accepted / drafted, 4) if drafted else 0.0
         return out
 
@@ -186,8 +191,9 @@ class LynxPromMetrics(KVConnectorPromMetrics):
                                         labelnames=labelnames + ["side", "rank", "state"])
         self._spec = self._counter_cls(name="vllm:lynx_speculative_tokens",
                                        documentation="Tokens decoded on the anchor (drafted), accepted and "
-                                                     "rejected by verification; first tokens released on "
-                                                     "the anchor (released_on_anchor).",
+                                                     "rejected by verification, dropped before it (preempted "
+                                                     "or residual failed); first tokens released on the "
+                                                     "anchor (released_on_anchor).",
                                        labelnames=labelnames + ["outcome"])
         self._stopped = self._counter_cls(name="vllm:lynx_speculation_stops",
                                           documentation="Requests whose decoding on the anchor stopped before the "
@@ -230,8 +236,10 @@ class LynxPromMetrics(KVConnectorPromMetrics):
         if drafted:
             self._spec.labels(*labels, "drafted").inc(drafted)
             accepted = sum(transfer_stats_data.get("spec_accepted", []))
+            dropped = sum(transfer_stats_data.get("spec_dropped", []))
             self._spec.labels(*labels, "accepted").inc(accepted)
-            self._spec.labels(*labels, "rejected").inc(drafted - accepted)
+            self._spec.labels(*labels, "rejected").inc(drafted - accepted - dropped)
+            self._spec.labels(*labels, "dropped").inc(dropped)
         early = sum(transfer_stats_data.get("spec_early", []))
         if early:
             self._spec.labels(*labels, "released_on_anchor").inc(early)

@@ -130,15 +130,18 @@ class LynxSpecScheduler(Scheduler):
         if not hidden:
             out = super().schedule(*args, **kwargs)
         else:
-            # Hidden from this step only; they keep their slot in the running set (admission limit lowered).
+            # Hidden from this step only; they keep their slot in the running set (admission limit lowered) and
+            # their place in its order: vLLM preempts from the back (FCFS), so an older request waiting to verify
+            # must not fall behind newer ones.
             ids = {id(r) for r in hidden}
+            place = {id(r): i for i, r in enumerate(self.running)}
             self.running = [r for r in self.running if id(r) not in ids]
             self.max_num_active_reqs -= len(hidden)
             try:
                 out = super().schedule(*args, **kwargs)
             finally:
                 self.max_num_active_reqs += len(hidden)
-                self.running.extend(hidden)
+                self.running = sorted(self.running + hidden, key=lambda r: place.get(id(r), len(place)))
         for req_id in out.num_scheduled_tokens:
             st = self._spec.get(req_id)
             if st is not None and st.phase is Phase.VERIFY:
@@ -274,7 +277,7 @@ class LynxSpecScheduler(Scheduler):
 
     def _record(self, st: SpecState) -> None:
         if self.log_stats:  # --disable-log-stats: make_stats never takes them, so none are kept
-            self._stats.record_speculation(st.speculated, st.accepted, st.committed, st.stopped)
+            self._stats.record_speculation(st.speculated, st.accepted, st.committed, st.stopped, st.dropped)
         req = self.requests.get(st.req_id)
         if self._report_all or (req is not None and (req.kv_transfer_params or {}).get(REPORT_KEY) is True):
             self._done[st.req_id] = st.summary()
@@ -309,6 +312,7 @@ class LynxSpecScheduler(Scheduler):
         if req is None or req.is_finished():
             return
         if st is not None:
+            st.drop_unverified()
             self._record(st)
         if not self.recompute_kv_load_failures:
             logger.error("Request %s: residual failed after decoding on its anchor; failing it "
@@ -357,9 +361,10 @@ class LynxSpecScheduler(Scheduler):
             # the worker could write into the blocks freed here.
             self._drop_held(request, st)
             st.preempted = True
+            dropped = st.drop_unverified()
             self._record(st)
             logger.info("Request %s preempted while speculating (%s held tokens dropped)", request.request_id,
-                        len(st.held) if st.phase is Phase.ANCHOR else 0)
+                        dropped)
         if self._lynx is not None:
             self._lynx.cancel_residual(request.request_id)
         super()._preempt_request(request, timestamp, drop_stale_output)

@@ -48,10 +48,18 @@ class SpecState:
     capped_steps: int = 0
     #: Preempted while speculating: the held tokens were dropped and the request recomputed at full precision.
     preempted: bool = False
+    #: Held tokens dropped before verification reached them (preempted, or the residual failed): neither
+    #: accepted nor rejected.
+    dropped: int = 0
 
     @property
     def rejected(self) -> int:
-        return self.speculated - self.accepted
+        return self.speculated - self.accepted - self.dropped
+
+    def drop_unverified(self) -> int:
+        """The held tokens verification has not reached are dropped; returns how many."""
+        self.dropped = len(self.held) - self.pos
+        return self.dropped
 
     def must_wait(self, cap: int) -> bool:
         """Not to be scheduled this step: decoding on the anchor is capped or has reached a stop."""
@@ -86,6 +94,7 @@ class SpecState:
 
     def summary(self) -> dict[str, int]:
         return {"speculated": self.speculated, "accepted": self.accepted, "rejected": self.rejected,
+                "dropped": self.dropped,
                 "verify_passes": self.passes, "capped_steps": self.capped_steps,
                 "first_token_early": self.committed, "preempted": int(self.preempted),
                 "stopped_low_margin": int(self.stopped == "low_margin"),

@@ -142,7 +142,7 @@ class Driver:
                 params["lynx_report"] = True  # not a signed key: a relay may add it
             extra = {"kv_transfer_params": params}
         sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=logprobs, ignore_eos=ignore_eos,
-                            seed=0 if temperature else None, extra_args=extra)
+                            extra_args=extra)
         sp.update_from_generation_config({}, EOS)
         req = Request(rid, list(range(10, 10 + prompt_len)), sp, None, arrival_time=time.time())
         self.fakes[rid] = Fake(list(anchor), list(full if full is not None else anchor), dict(margins or {}))

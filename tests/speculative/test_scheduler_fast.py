@@ -280,7 +280,26 @@ def test_preemption_while_holding(drive):
     out = d.run_until_done("r")
     assert out.tokens == [ANCHOR[0], *FULL[1:12]] and out.finish_reason == "length"
     assert out.speculation["preempted"] == 1 and out.speculation["speculated"] == 4
+    assert (out.speculation["dropped"], out.speculation["rejected"], out.speculation["accepted"]) == (4, 0, 0)
     clean(d)
+
+
+def test_preemption_in_verification_counts_the_unverified_as_dropped(drive):
+    """Preempted after one verification pass of K drafts (+ the target's token) over 6 held tokens: 5 accepted,
+    the sixth was never verified (dropped, not rejected); the output still equals full precision."""
+    d = drive()
+    d.add("r", 40, ANCHOR, ANCHOR, max_tokens=12)
+    d.load("r")
+    hold(d, "r", 6)
+    d.step(merged={"r"})
+    d.step()  # the first verification pass (K drafts)
+    req = d.req("r")
+    d.sched.running.remove(req)
+    d.sched._preempt_request(req, time.monotonic())
+    out = d.run_until_done("r")
+    assert out.tokens == ANCHOR[:12]
+    s = out.speculation
+    assert (s["speculated"], s["accepted"], s["rejected"], s["dropped"]) == (6, K + 1, 0, 6 - K - 1)
 
 
 def test_residual_failure_policy_fail(drive):
@@ -352,3 +371,19 @@ def test_speculation_summary_only_when_asked_for(drive):
         clean(d)
     assert outs["asked"].speculation["speculated"] == 3 == outs["server"].speculation["speculated"]
     assert outs["quiet"].kv_transfer_params is None
+
+
+def test_a_capped_request_keeps_its_place_in_the_running_order(drive):
+    """A request hidden while it waits for its residual goes back where it was in ``running``, not to the back:
+    vLLM preempts from the back (FCFS), which must take the newer request, not the older one waiting to verify."""
+    d = drive(cap=2)
+    d.add("a", 40, ANCHOR, FULL, max_tokens=12)
+    d.step()
+    d.step(finished_recving={"a"})
+    d.add("b", 40, ANCHOR, FULL, max_tokens=12, mode="full")
+    d.step()
+    d.step(finished_recving={"b"})
+    for _ in range(3):
+        d.step()
+    assert d.sched._spec["a"].must_wait(2)  # a is capped, hidden in every step
+    assert [r.request_id for r in d.sched.running] == ["a", "b"]
