@@ -10,6 +10,7 @@ for the peer is kept across that (`agent`), so transfers in flight are not affec
 from __future__ import annotations
 
 import hmac
+import re
 import secrets
 import time
 from collections.abc import Iterator
@@ -25,9 +26,21 @@ from lynx_connector.transport.events import ANCHOR, RESIDUAL
 
 logger = init_logger(__name__)
 
-__all__ = ["Addr", "DoneCourier", "Measure", "NO_MEASURE", "PeerLink", "PullState", "Staged", "done_frame"]
+__all__ = ["Addr", "DoneCourier", "Measure", "NO_MEASURE", "PeerLink", "PullState", "Staged", "check_peer_addr",
+           "done_frame"]
 
 Addr = tuple[str, int]
+#: A host zmq can connect to: a DNS name or IPv4 address (dot-separated labels of letters, digits and inner
+#: hyphens), or an IPv6 address in brackets. zmq refuses some others at connect (".", "-", "_", "a b", "*").
+_HOST = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                   r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*|\[[0-9A-Fa-f:.]{2,45}\]")
+
+
+def check_peer_addr(host: object, port: object) -> None:
+    """Refuse (ValueError) a peer address D could not connect to, before anything is owed to it."""
+    if (not isinstance(host, str) or not _HOST.fullmatch(host) or isinstance(port, bool) or not isinstance(port, int)
+            or not 0 < port < 65536):
+        raise ValueError(f"bad peer address {host!r}:{port!r}")
 #: What a Done tells P of the link (protocol v4): (seconds of link time D's reads took, bytes they read).
 Measure = tuple[float, int]
 NO_MEASURE: Measure = (0.0, 0)
@@ -83,8 +96,14 @@ class PeerLink:
         # zmq re-establishes a dropped TCP connection by itself, silently: the monitor tells D, which must then
         # handshake again before trusting any answer (P may have restarted on the same address)
         self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        try:
+            sock.connect(f"tcp://{self.addr[0]}:{self.addr[1]}")
+        except zmq.ZMQError:  # an address check_peer_addr let through: nothing may stay open or registered
+            self.monitor.close(linger=0)
+            self.monitor = None
+            sock.close(linger=0)
+            raise
         self._poller.register(self.monitor, zmq.POLLIN)
-        sock.connect(f"tcp://{self.addr[0]}:{self.addr[1]}")
         self._poller.register(sock, zmq.POLLIN)
         self.opened_at = time.monotonic()
         self.connects = 0
@@ -294,6 +313,12 @@ class DoneCourier:
 
     def owed_to(self, addr: Addr) -> bool:
         return any(a == addr for a, _ in self._owed)
+
+    def forget(self, addr: Addr) -> None:
+        """Drop every Done owed to ``addr`` (an address D cannot even connect to: none could ever be sent)."""
+        for key in [k for k in self._owed if k[0] == addr]:
+            del self._owed[key]
+            self._tokens.pop(key, None)
 
     def due(self, now: float) -> list[tuple[Addr, tuple[str, str], Measure]]:
         """The Dones to send again now, as (peer, (transfer id, token), measure); those past their give-up time

@@ -47,6 +47,7 @@ from lynx_connector.transport.link import (
     PeerLink,
     PullState,
     Staged,
+    check_peer_addr,
     done_frame,
 )
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
@@ -159,8 +160,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         for what, val in (("transfer_id", transfer_id), ("token", token)):
             if not proto.is_hex_id(val):
                 raise ValueError(f"{what} must be {proto.HEX_ID_LEN} lower-case hex characters")
-        if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
-            raise ValueError(f"bad peer address {host!r}:{port!r}")
+        check_peer_addr(host, port)
         if wait_s is not None and not wait_s > 0:
             raise ValueError(f"wait_s must be > 0, got {wait_s!r}")
         with self._ev_lock:
@@ -203,7 +203,9 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         self.pool.free_request(req_id, self.config.lease_grace_s if self._sched.take_torn(req_id) else 0.0)
 
     def release(self, req_id: str) -> None:
-        """Tell P to free the request's staging (idempotent; D's views stay the caller's)."""
+        """Tell P to free the request's staging (idempotent; D's views stay the caller's). A pull still in flight
+        is dropped as by ``abort`` (no more events; ``free_staging`` then holds regions its reads may still land in):
+        P must never free and reuse staging under D's reads."""
         self._cmd(("release", req_id, None))
 
     def discard(self, host: str, port: int, transfer_id: str, token: str) -> None:
@@ -212,8 +214,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         for what, val in (("transfer_id", transfer_id), ("token", token)):
             if not proto.is_hex_id(val):
                 raise ValueError(f"{what} must be {proto.HEX_ID_LEN} lower-case hex characters")
-        if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
-            raise ValueError(f"bad peer address {host!r}:{port!r}")
+        check_peer_addr(host, port)
         self._cmd(("discard", (host, port), (transfer_id, token)))
 
     def abort(self, req_id: str) -> None:
@@ -331,8 +332,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
             else:
                 pull = self._pulls.pop(cmd[1], None)
                 if pull is not None:
-                    if kind == "abort":
-                        self._sched.cancel(pull.req_id)
+                    self._sched.cancel(pull.req_id)  # abort, or a release of a pull still in flight
                     self._send_done(pull)
                 self._forget(cmd[1])
                 if cmd[2] is not None:
@@ -345,11 +345,22 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         peer = self._peers.get(pull.addr)
         if peer is None:
             peer = self._connect(pull.addr)
+            if peer is None:
+                pull.done_sent = True  # nothing could be sent there: no Done is owed
+                self._fail(pull, f"cannot connect to peer {pull.addr[0]}:{pull.addr[1]}")
+                return
         if peer.state == "ready":
             self._query(pull)
 
-    def _connect(self, addr: Addr) -> PeerLink:
-        peer = PeerLink(self._ctx, self._poller, addr, self._max_in, self.config.key)
+    def _connect(self, addr: Addr) -> PeerLink | None:
+        """A new link to ``addr``; None (logged) for an address zmq refuses to connect to (``check_peer_addr``
+        refuses those it knows of before a pull or a discard is queued)."""
+        try:
+            peer = PeerLink(self._ctx, self._poller, addr, self._max_in, self.config.key)
+        except zmq.ZMQError as exc:
+            logger.error("lynx sink: cannot connect to peer %s:%s: %s", addr[0], addr[1], exc)
+            self._courier.forget(addr)
+            return None
         self._peers[addr] = peer
         peer.hello(self.compat_hash)
         return peer
@@ -372,7 +383,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         self._courier.owe(addr, ticket, time.monotonic(), measure)
         peer = self._peers.get(addr)
         if peer is None and connect:
-            peer = self._connect(addr)  # sent once the session is up
+            peer = self._connect(addr)  # sent once the session is up (None: nothing owed, see _connect)
         if peer is not None:
             peer.send(done_frame(ticket, measure))
 

@@ -83,7 +83,8 @@ class ControlTimers:
                 timers.append(pull.sent_at + cfg.resend_s)
         for addr, ticket, measure in self._courier.due(now):  # Dones P has not acknowledged yet
             peer = self._peers.get(addr) or self._connect(addr)
-            peer.send(done_frame(ticket, measure))  # sent once the session is up
+            if peer is not None:
+                peer.send(done_frame(ticket, measure))  # sent once the session is up
         nxt = self._courier.next_time()
         if nxt is not None:
             timers.append(nxt)

@@ -237,6 +237,26 @@ def test_nixl_failure_mid_transfer_and_abort(pair) -> None:
         sink.pull("d3", *src.address, "c" * 32, "d" * 32, torch.zeros(8, dtype=torch.uint8), None)
 
 
+def test_release_of_a_pull_in_flight_drops_it_like_abort(pair) -> None:
+    """``release`` while reads are in flight: they are cancelled (no handle left, no later event), and D's staging
+    is quarantined, not reusable at once, since NIXL's release does not wait for a read already posted."""
+    src, sink = pair
+    dnixl: FakeNixlWrapper = sink._nixl  # type: ignore[assignment]
+    dnixl.hang = True
+    stage(src, "p1", 8192, 0)
+    loc = sink.pool.alloc_request("d1", 8192, 0)
+    sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, None)
+    wait_for(lambda: dnixl.live_handles > 0)
+    sink.release("d1")
+    wait_for(lambda: sink.stats()["pulls_live"] == 0)
+    assert dnixl.live_handles == 0
+    wait_for(lambda: src.stats()["regions_live"] == 0)
+    sink.free_staging("d1")
+    assert sink.pool.regions_live > 0  # quarantined for lease_grace_s
+    time.sleep(0.1)
+    assert sink.poll() == []
+
+
 def test_anchor_only_pull_leaves_the_residual_unread(pair) -> None:
     """Decoding on the anchor alone: D passes no residual view and P's residual is never read (but freed)."""
     src, sink = pair
@@ -248,3 +268,56 @@ def test_anchor_only_pull_leaves_the_residual_unread(pair) -> None:
     time.sleep(0.2)
     assert sink.poll() == []  # no residual event
     wait_for(lambda: src.stats()["regions_live"] == 0)  # done sent after the anchor: P freed both regions
+
+
+@pytest.mark.parametrize("host", ["a b", "*", "", ".", "-", "_", "a..b", "tcp://h", "h:1", "[zz]", "x" * 254])
+def test_a_peer_address_zmq_cannot_connect_to_is_refused_at_once(pair, host) -> None:
+    """Such a host raised inside the sink's service thread (sockets left open and registered at every resend of
+    the Done owed to it) and the pull failed only at its deadline, as an unanswered peer: now pull and discard
+    refuse it at once, naming it, and nothing is owed."""
+    src, sink = pair
+    loc = sink.pool.alloc_request("d1", 4096, 0)
+    with pytest.raises(ValueError, match="bad peer address"):
+        sink.pull("d1", host, 5555, "a" * 32, "b" * 32, loc.anchor, None)
+    with pytest.raises(ValueError, match="bad peer address"):
+        sink.discard(host, 5555, "a" * 32, "b" * 32)
+    assert sink.stats()["dones_owed"] == 0 and sink.stats()["pulls_live"] == 0
+
+
+def test_peer_addresses_d_accepts() -> None:
+    from lynx_connector.transport.link import check_peer_addr
+
+    for host in ("127.0.0.1", "localhost", "p-0.prefill.svc", "prefill-0.lynx.default.svc.cluster.local", "[::1]",
+                 "[fd00::1:2]", "a" * 63 + "." + "b" * 63):
+        check_peer_addr(host, 5555)
+    for host, port in (("127.0.0.1", 0), ("127.0.0.1", 65536), ("127.0.0.1", True), ("127.0.0.1", "80"),
+                       (b"127.0.0.1", 80), ("a" * 64, 80)):
+        with pytest.raises(ValueError, match="bad peer address"):
+            check_peer_addr(host, port)
+
+
+def test_a_connect_that_zmq_still_refuses_fails_that_pull_only(pair, monkeypatch) -> None:
+    """Should zmq refuse an address the check let through, the pull fails at once naming the peer, nothing stays
+    open or registered, no Done is owed, and the sink goes on serving (and closes)."""
+    from lynx_connector.transport import link
+    from lynx_connector.transport import sink as sink_mod
+
+    src, sink = pair
+    monkeypatch.setattr(sink_mod, "check_peer_addr", lambda host, port: None)
+    loc = sink.pool.alloc_request("d1", 4096, 0)
+    sink.pull("d1", ".", 5555, "a" * 32, "b" * 32, loc.anchor, None)
+    (ev,) = collect(sink, 1)
+    assert not ev.ok and "cannot connect to peer .:5555" in ev.error
+    sink.discard(".", 5555, "c" * 32, "d" * 32)
+    time.sleep(0.1)
+    assert sink.stats()["dones_owed"] == 0 and sink.stats()["peers"] == 0
+    assert len(sink._poller.sockets) == 1  # the waker only
+    st = stage(src, "p2", 4096, 0)
+    loc2 = sink.pool.alloc_request("d2", 4096, 0)
+    sink.pull("d2", *src.address, *src.ticket("p2"), loc2.anchor, None)
+    (ev,) = collect(sink, 1)
+    assert ev.ok and torch.equal(loc2.anchor, st.anchor)
+    ctx, poller = zmq.Context.instance(), zmq.Poller()
+    with pytest.raises(zmq.ZMQError):
+        link.PeerLink(ctx, poller, (".", 5555), 1 << 16, TEST_KEY)
+    assert poller.sockets == []
