@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -38,6 +39,53 @@ def test_a_cancel_in_the_step_of_the_grant_gives_the_slot_back() -> None:
         s.release("a")  # granted to t ...
         t.cancel()  # ... and cancelled before t ran again
         with pytest.raises(asyncio.CancelledError):
+            await t
+        assert s.inflight == {"a": 0} and s.stats().queued == 0
+        assert await s.acquire() == "a"
+
+    asyncio.run(main())
+
+
+def test_a_waiter_cancelled_before_a_release_is_skipped() -> None:
+    """The client leaves, then a slot frees in the same loop step: the cancelled waiter is passed over (granting
+    it raised InvalidStateError out of release, with the slot already counted: leaked)."""
+
+    async def main() -> None:
+        s = ServerSlots("decode", ["a"], 1, 8, 5.0)
+        await s.acquire()
+        t = asyncio.create_task(s.acquire())
+        await asyncio.sleep(0)  # t is queued
+        t.cancel()  # its future is cancelled at once ...
+        s.release("a")  # ... before t ran again
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        assert s.inflight == {"a": 0} and s.stats().queued == 0
+        assert await s.acquire() == "a"
+
+    asyncio.run(main())
+
+
+def test_a_queue_timeout_in_the_step_of_the_grant_gives_the_slot_back(monkeypatch) -> None:
+    """The queue timeout fires in the loop step in which the slot is granted: the request is refused (Overloaded)
+    and the granted slot goes back, not counted for good."""
+
+    @contextlib.asynccontextmanager
+    async def expires_now(_seconds):  # asyncio.timeout firing: its cancel of the task becomes a TimeoutError
+        try:
+            yield
+        except asyncio.CancelledError:
+            raise TimeoutError from None
+
+    monkeypatch.setattr(asyncio, "timeout", expires_now)
+
+    async def main() -> None:
+        s = ServerSlots("decode", ["a"], 1, 8, 5.0)
+        await s.acquire()
+        t = asyncio.create_task(s.acquire())
+        await asyncio.sleep(0)
+        s.release("a")  # granted to t ...
+        t.cancel()  # ... and its timeout fires before t ran again
+        with pytest.raises(Overloaded, match="--queue-timeout"):
             await t
         assert s.inflight == {"a": 0} and s.stats().queued == 0
         assert await s.acquire() == "a"

@@ -10,6 +10,7 @@ from lynx_connector.codec import (
     IntegrityError,
     KVLayout,
     NonFiniteKVError,
+    PlaneLayout,
     check_metadata,
     encode,
     get_codec,
@@ -108,3 +109,16 @@ def test_nonfinite_metadata_is_rejected(name, value):
 def test_passthrough_has_no_metadata_to_check():
     codec, layout, sl, anchor, _ = _staged("bf16")
     check_metadata(codec, sl.anchor.plane(anchor, 0), layout, T)
+
+
+def test_a_plane_read_as_the_other_plane_is_caught():
+    """The checksum seed names the plane: an anchor region read where a residual of the same size is expected
+    (or the reverse) fails, even at the same staging id, layer and size."""
+    anchor_pl, residual_pl = PlaneLayout("anchor", 64, 2), PlaneLayout("residual", 64, 2)
+    buf = torch.randint(0, 256, (anchor_pl.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    for layer in range(2):
+        anchor_pl.seal(buf, layer, "req")
+    anchor_pl.verify_all(buf, "req")
+    with pytest.raises(IntegrityError) as e:
+        residual_pl.verify(buf, 0, "req")
+    assert (e.value.layer, e.value.plane) == (0, "residual")

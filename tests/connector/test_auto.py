@@ -8,7 +8,15 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import RequestStatus
 
-from lynx_connector.auto import AUTO_REASONS, AutoEstimator, AutoRequest, LinkMeter, LinkView, choose
+from lynx_connector.auto import (
+    AUTO_REASONS,
+    AutoEstimator,
+    AutoPolicy,
+    AutoRequest,
+    LinkMeter,
+    LinkView,
+    choose,
+)
 from lynx_connector.codec import get_codec
 from lynx_connector.config import LynxConfig
 from lynx_connector.metadata import LynxHandshakeMetadata, LynxWorkerMeta, RemotePrefill
@@ -72,6 +80,16 @@ def test_no_rate_is_passthrough_and_one_candidate_is_that_one():
         choose((), LinkView(None, "none"), inputs(1), True)
 
 
+def test_a_tie_goes_to_the_lossless_passthrough():
+    """Equal estimates: the passthrough (lossless) wins over a Lynx mode, whichever comes first in the table."""
+    req = AutoRequest({"full": 1000, "speculative": 1000, "bf16": 1000}, early_first_token=True)
+    link = LinkView(1000.0, "configured")
+    for spec in (True, False):
+        c = choose(CANDIDATES, link, req, speculation=spec)
+        assert (c.mode, c.reason) == ("bf16", "fast_link")
+        assert len(set(c.estimates.values())) == 1  # a real tie
+    assert choose(("full", "bf16"), link, req, speculation=False).mode == "bf16"
+
 def test_a_queue_on_the_link_favours_the_anchor_that_jumps_it():
     """At a rate where passthrough wins on an idle link, a queue that will not drain during the prefill makes
     speculation win (its anchor goes before the queued whole requests on D: transport/ranking.py)."""
@@ -95,6 +113,37 @@ def test_a_reported_queue_drains_at_the_link_rate():
     now[0] = 10.0
     assert est.link().queued_bytes == 0
 
+
+def test_prefill_average_is_seeded_by_its_first_sample_then_smoothed():
+    """P's prefill seconds per token: the first finished prompt sets it (no ramp up from 0), later ones move it by
+    ALPHA; an unprefilled or unknown request changes nothing."""
+    now = [0.0]
+    est = AutoEstimator(1e6, GEOMETRY, get_codec("lynx"), clock=lambda: now[0])
+    est.started("a", 100)
+    now[0] = 1.0
+    est.finished("a", prefilled=True)
+    assert est.prefill_s_per_token == pytest.approx(0.01)
+    est.started("b", 100)
+    now[0] = 4.0
+    est.finished("b", prefilled=True)  # 0.03 s per token
+    assert est.prefill_s_per_token == pytest.approx(0.01 + AutoEstimator.ALPHA * 0.02)
+    est.started("c", 100)
+    now[0] = 100.0
+    est.finished("c", prefilled=False)
+    est.finished("never-started", prefilled=True)
+    assert est.prefill_s_per_token == pytest.approx(0.01 + AutoEstimator.ALPHA * 0.02)
+    assert est.request(CANDIDATES, 50, torch.float32, True).prefill_s == pytest.approx(50 * est.prefill_s_per_token)
+
+
+def test_codec_cost_counts_p_encode_and_d_decode():
+    """The workers report P's Lynx encode seconds per token; D decodes about as long, so the estimate is twice
+    that; a report without a measurement (0) keeps the last one."""
+    est = AutoEstimator(1e6, GEOMETRY, get_codec("lynx"))
+    est.observe_link(None, 0, 1e-5)
+    assert est.codec_s_per_token == pytest.approx(2e-5)
+    est.observe_link(None, 0, 0.0)
+    assert est.codec_s_per_token == pytest.approx(2e-5)
+    assert est.request(CANDIDATES, 1000, torch.float32, True).codec_s == pytest.approx(2e-2)
 
 def test_link_meter_adds_the_link_times_d_measured():
     """Samples are (Done's arrival, D's link seconds, bytes); D already shared its busy time among transfers it
@@ -188,6 +237,34 @@ def test_children_of_one_request_share_its_choice():
     assert serve_on_p(s, mgr, p_req("1_parent-abcdefgh", 512, {"do_remote_decode": True}))[0] == first  # ... not a child
     assert serve_on_p(s, mgr, p_req("other", 512, {"do_remote_decode": True}))[0] == "bf16"
 
+
+def test_logprobs_or_structured_output_keep_a_greedy_request_off_speculation():
+    """A greedy request can release its first token on the anchor only without logprobs and without structured
+    output (both need the exact logits): on a slow link those get ``full``, a plain greedy one ``speculative``."""
+    s, mgr = make_p(link_gbps=0.5)
+    s.speculation_enabled = True
+    plain = p_req("plain", 1024, {"do_remote_decode": True})
+    logprobs = p_req("logprobs", 1024, {"do_remote_decode": True})
+    logprobs.sampling_params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1)
+    structured = p_req("structured", 1024, {"do_remote_decode": True})
+    structured.use_structured_output = True
+    assert [serve_on_p(s, mgr, r)[0] for r in (plain, logprobs, structured)] == ["speculative", "full", "full"]
+    assert [tuple(x) for x in s.stats.data["auto"]] == [("speculative", "slow_link"),
+                                                       ("full", "slow_link_no_speculation"),
+                                                       ("full", "slow_link_no_speculation")]
+
+
+def test_the_choices_remembered_per_parent_are_bounded(monkeypatch):
+    """P remembers one choice per parent of fanned-out (n > 1) requests for its later children: at most
+    MAX_PARENTS, the oldest forgotten first (a long-running P must not grow without bound)."""
+    monkeypatch.setattr(AutoPolicy, "MAX_PARENTS", 2)
+    s, mgr = make_p(link_gbps=0.5)
+    for parent in ("pa", "pb", "pc"):
+        serve_on_p(s, mgr, p_req(f"0_{parent}", 64, {"do_remote_decode": True}))
+        assert len(s._auto._by_parent) <= 2
+    assert list(s._auto._by_parent) == ["pb", "pc"]
+    serve_on_p(s, mgr, p_req("0_pd", 64, {"do_remote_decode": True}))
+    assert list(s._auto._by_parent) == ["pc", "pd"]
 
 def test_d_reports_the_choice_in_the_final_output():
     s, _ = make_p()

@@ -8,6 +8,7 @@ import secrets
 
 import pytest
 
+from lynx_connector.fanout import CHILDREN_KEY, MAX_CHILDREN
 from lynx_connector.metadata import RemotePrefill
 from lynx_connector.signing import (
     EXPIRES_KEY,
@@ -124,6 +125,36 @@ def test_values_that_are_not_plain_json_are_malformed_before_any_mac(value):
     signer = ParamsSigner(KEY, 120, Clock())
     assert refused(signer, {**signer.sign(p_params()), "remote_host": value}) == "malformed"
 
+
+_CHILD = {"child": 0, "remote_request_id": "0_p", "lynx_transfer_id": "e" * 32, "lynx_token": "f" * 32,
+          "lynx_first_token": 7}
+
+
+@pytest.mark.parametrize("value", [
+    [dict(_CHILD, child=i) for i in range(MAX_CHILDREN + 1)],  # too many children
+    [dict(_CHILD, lynx_first_token={"a": 1})],  # a nested dict
+    [dict(_CHILD, lynx_first_token=[1, 2])],  # a nested list (even of integers)
+    [dict(_CHILD, **{f"k{i}": i for i in range(4)})],  # a child with too many keys (9)
+    dict(_CHILD),  # not a list
+    [dict(_CHILD, lynx_token="x" * 5000)],  # an oversized scalar
+])
+def test_children_that_are_not_a_bounded_list_of_flat_dicts_are_malformed(value):
+    """``lynx_children`` has its own shape check (a bounded list of flat dicts of plain scalars): anything else is
+    refused as malformed before any MAC, like any other signed value that is not plain JSON."""
+    signer = ParamsSigner(KEY, 120, Clock())
+    assert refused(signer, {**signer.sign(p_params()), CHILDREN_KEY: value}) == "malformed"
+
+
+@pytest.mark.parametrize("expires", ["x", True, None])
+def test_an_expiry_that_is_not_an_integer_is_malformed_even_when_it_verifies(expires):
+    """Insecure deployments sign with the empty key, so anyone can MAC params carrying a non-integer (or no)
+    ``lynx_expires``: D refuses them as malformed, not with a TypeError (a string) or as expired (a bool)."""
+    insecure = ParamsSigner(None, 120, Clock())
+    params = {**p_params(), EXPIRES_KEY: expires}
+    if expires is None:
+        del params[EXPIRES_KEY]
+    forged = {**params, SIG_KEY: insecure._mac(params)}
+    assert refused(insecure, forged) == "malformed"
 
 def test_prompt_binding():
     ids = list(range(100))

@@ -15,6 +15,8 @@ import torch
 
 from lynx_connector import worker as worker_mod
 from lynx_connector.codec import (
+    PlaneLayout,
+    StagedLayout,
     decode_anchor,
     encode,
     get_codec,
@@ -22,6 +24,7 @@ from lynx_connector.codec import (
     staged_layout,
 )
 from lynx_connector.config import LynxConfig
+from lynx_connector.layerwise import StagingJob
 from lynx_connector.metadata import LynxConnectorMetadata, RecvSpec, SaveSpec, mint_ticket
 from lynx_connector.modes import get_mode
 from lynx_connector.transport import TransferSink, TransferSource
@@ -671,3 +674,23 @@ def test_a_settled_speculative_end_is_forgotten(pair):
     d.start_load(LynxConnectorMetadata(spec_settled=["d1"]))
     assert d._ended_on_anchor == {} and d.take_results() == (set(), set())
     assert_staging_freed(p, d)
+
+
+def test_layerwise_ready_bytes_are_the_sealed_prefix_of_whole_layers():
+    """Layer-wise publish (lynx_connector/layerwise.py): only the layers sealed from the first, in order, are
+    readable; a layer sealed past a gap (3 before 2) is not, and nothing is before the first seal."""
+    sl = StagedLayout(PlaneLayout("anchor", 24, 4), PlaneLayout("residual", 40, 4))
+    a, r = sl.nbytes
+    staged = SimpleNamespace(anchor=torch.zeros(a, dtype=torch.uint8), residual=torch.zeros(r, dtype=torch.uint8))
+    job = StagingJob(req_id="p1", spec=None, codec=None, layout=sl, staged=staged, staging_id="t/0")
+    assert job.ready_bytes() == (0, 0)
+    for layer in (0, 1, 3):
+        job.seal(layer)
+    assert job.ready_bytes() == (2 * sl.anchor.stride, 2 * sl.residual.stride)
+    job.seal(2)
+    assert job.ready_bytes() == sl.nbytes
+    # a mode without a residual plane: the residual prefix stays 0
+    bare = StagingJob(req_id="p2", spec=None, codec=None, layout=sl.without_residual(),
+                      staged=SimpleNamespace(anchor=staged.anchor.clone(), residual=None), staging_id="t/1")
+    bare.seal(0)
+    assert bare.ready_bytes() == (sl.anchor.stride, 0)

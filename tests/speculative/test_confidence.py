@@ -83,3 +83,46 @@ def test_strip_removes_only_logprobs_the_client_did_not_ask_for_and_forget_clean
     assert outs[0].new_logprobs is None and outs[1].new_logprobs is not None and outs[2].new_logprobs is not None
     gate.forget({"b": _req("b", finished=True)})
     assert not gate.gated("a") and not gate.gated("b")
+
+
+def test_unlimited_max_logprobs_enables_the_gate():
+    """vLLM's max_logprobs=-1 means unlimited: the gate can get its two logprobs, so it stays on."""
+    gate = ConfidenceGate(0.4, max_logprobs=-1)
+    assert gate.enabled and gate.min_margin == 0.4
+    r = _req("a", temperature=0.0)
+    gate.prepare(r)
+    assert gate.gated("a") and r.sampling_params.logprobs == GATE_LOGPROBS
+
+
+def test_a_request_asking_for_specific_logprob_token_ids_is_not_gated():
+    """A request with ``logprob_token_ids`` gets logprobs of those tokens, not the top two: it is not gated (its
+    sampling parameters are left alone)."""
+    gate = ConfidenceGate(0.4, max_logprobs=20)
+    r = _req("a", temperature=0.0, logprob_token_ids=[5, 9])
+    before = r.sampling_params
+    gate.prepare(r)
+    assert r.sampling_params is before and not gate.gated("a")
+
+
+def test_a_step_with_more_than_one_sampled_token_records_no_margin():
+    """Only a step that sampled exactly one token for the request gives the anchor-phase token's margin; a row with
+    two sampled tokens (e.g. a verification pass) records none, so it cannot stop the next anchor-phase token."""
+    gate = ConfidenceGate(0.4, max_logprobs=20)
+    gate.prepare(_req("a", temperature=0.0))
+    out = SimpleNamespace(
+        req_id_to_index={"a": 0}, sampled_token_ids=[[4, 6]],
+        logprobs=LogprobsLists(np.array([[4, 4, 8], [6, 6, 1]]), np.array([[-0.6, -0.6, -0.7], [-0.6, -0.6, -0.7]]),
+                               np.zeros(2, dtype=np.int64), [0, 2]))  # a 0.1 margin on both rows
+    gate.observe(out, ["a"])
+    assert gate.confident("a")
+
+
+def test_a_margin_equal_to_the_threshold_is_confident():
+    """The gate stops at a margin *below* min_margin: exactly min_margin is held."""
+    gate = ConfidenceGate(0.5, max_logprobs=20)
+    gate.prepare(_req("a", temperature=0.0))
+    gate.prepare(_req("b", temperature=0.0))
+    gate.observe(_step({"a": ([4, 4, 8], [-0.25, -0.25, -0.75]), "b": ([4, 4, 8], [-0.25, -0.25, -0.625])}),
+                 ["a", "b"])
+    assert gate.confident("a")  # margin exactly 0.5
+    assert not gate.confident("b")  # 0.375

@@ -55,3 +55,13 @@ def test_cap_and_stop_make_the_request_wait() -> None:
     assert st.must_wait(4)
     st.phase = Phase.VERIFY
     assert not st.must_wait(1)
+
+
+def test_a_pass_whose_bonus_is_the_last_held_token_ends_verification() -> None:
+    """All drafts accepted and the target's token equals the last held token: every held token is accepted and
+    nothing is left to verify, so verification is over (no empty further pass)."""
+    st = _state([1, 2, 3])
+    assert st.next_chunk(2) == [1, 2]
+    st.scheduled = 2
+    assert st.verified([1, 2, 3]) is False
+    assert (st.pos, st.accepted, st.rejected, st.passes) == (3, 3, 0, 1)

@@ -130,6 +130,15 @@ def test_virtual_link_math() -> None:
         VirtualLink(rate=0.0, catch_up_s=0.01)
 
 
+@pytest.mark.parametrize("rate, catch_up_s", [(float("inf"), 0.0), (float("nan"), 0.0), (1.0, -1.0),
+                                              (1.0, float("nan"))])
+def test_virtual_link_rejects_an_infinite_rate_and_a_negative_catch_up(rate: float, catch_up_s: float) -> None:
+    """An infinite rate (every chunk due at once: no pacing at all) and a negative catch_up_s are configuration
+    errors, not a link."""
+    with pytest.raises(ValueError, match="virtual link"):
+        VirtualLink(rate=rate, catch_up_s=catch_up_s)
+
+
 def test_virtual_link_sustained_rate() -> None:
     """Posting N bytes in chunks as soon as allowed delivers the last byte at N / rate, never sooner; a thread that
     wakes late by less than catch_up_s loses nothing."""

@@ -429,3 +429,109 @@ def test_paced_link_time_counts_a_late_wake_up_that_the_link_caught_up() -> None
         clock.t += (wait or 0.0) + (late if wait else 0.0)  # every wake-up 2 ms late
     (ev,) = events
     assert ev.ok and ev.link_seconds == pytest.approx(8 * 0.001, rel=0.05), ev.link_seconds
+
+
+# ---- behaviours a mutation review found unchecked ----------------------------------------------------------------
+def test_srpt_counts_a_whole_requests_residual_in_its_unit_size(fabric: FakeFabric) -> None:
+    """Under ``srpt`` a whole request is one unit: its size is its anchor plus its residual. w1 (16 KiB anchor +
+    96 KiB residual = 112 KiB) queued before w2 (32 + 32 = 64 KiB): w2 moves first, whole, then w1, with no
+    interleaving (counting the anchor alone would start w1's small anchor first and split the two requests)."""
+    sched, _, job, events, clock, _ = make(fabric, link_gbps=LINK_16K_PER_MS, order="srpt")
+    for name, anchor, residual, off in (("w1", 16 * KB, 96 * KB, 0), ("w2", 32 * KB, 32 * KB, 256 * KB)):
+        for stream, o, n in (("anchor", off, anchor), ("residual", off + anchor, residual)):
+            j = job(name, stream, o, n)
+            j.order = "whole"
+            sched.submit(j)
+    run_until_idle(sched, clock)
+    posts = [(r, s) for r, s, *_ in sched.stats.post_log]
+    assert list(dict.fromkeys(posts)) == [("w2", "anchor"), ("w2", "residual"), ("w1", "anchor"),
+                                          ("w1", "residual")], posts
+    reqs = [r for r, _ in posts]
+    assert reqs == ["w2"] * reqs.count("w2") + ["w1"] * reqs.count("w1")  # back to back, no interleaving
+    assert [(e.req_id, e.stream) for e in events] == [("w2", "anchor"), ("w2", "residual"), ("w1", "anchor"),
+                                                      ("w1", "residual")]
+
+
+def test_a_stale_smaller_extend_does_not_lower_ready(fabric: FakeFabric) -> None:
+    """extend() messages may arrive out of order: a smaller readable size after a larger one must not take back
+    bytes P already published (ready stays at the maximum, and posting goes on up to it)."""
+    sched, _, job, events, clock, _ = make(fabric)
+    j = job("r1", "anchor", 0, 128 * KB)
+    j.ready = 16 * KB
+    sched.submit(j)
+    sched.extend("r1", {"anchor": 64 * KB})
+    sched.extend("r1", {"anchor": 32 * KB})  # stale
+    assert j.ready == 64 * KB
+    for _ in range(20):
+        clock.t += sched.step() or 0.001
+    assert j.posted == j.done == 64 * KB
+    assert sum(n for *_, n in sched.stats.post_log) == 64 * KB and not events
+    assert sched.left("r1", "anchor") is None  # P still publishes it
+
+
+def test_cancel_tears_only_requests_with_chunks_nixl_has_not_finished(fabric: FakeFabric) -> None:
+    """On a paced link a chunk NIXL finished (DONE) may still be on the emulated link; cancelling its request then
+    leaves no RMA that could land later, so it is not torn (its staging need not be quarantined). A chunk NIXL
+    has not finished (PROC) does tear the request."""
+    sched, dst, job, events, clock, _ = make(fabric, link_gbps=LINK_16K_PER_MS)
+    sched.submit(job("r1", "anchor", 0, 16 * KB))
+    sched.step()
+    (f,) = sched._inflight
+    assert f.state == "DONE" and f.t_due > clock.t  # moved, but the emulated link still carries it
+    sched.cancel("r1")
+    assert sched.take_torn("r1") is False
+    assert sched.idle and not events and dst.live_handles == 0
+
+    sched2, dst2, job2, events2, clock2, _ = make(fabric, link_gbps=LINK_16K_PER_MS)
+    dst2.hang = True
+    sched2.submit(job2("r2", "anchor", 0, 16 * KB))
+    sched2.step()
+    assert sched2._inflight[0].state is None
+    sched2.cancel("r2")
+    assert sched2.take_torn("r2") is True and sched2.take_torn("r2") is False  # reported once
+    assert sched2.idle and not events2 and dst2.live_handles == 0
+
+
+def test_left_counts_in_flight_bytes_as_not_landed(fabric: FakeFabric) -> None:
+    """left() is the bytes not landed yet: a chunk posted but still in flight (PROC) has not landed."""
+    sched, dst, job, events, clock, _ = make(fabric)
+    dst.hang = True
+    sched.submit(job("r1", "residual", 0, 16 * KB))
+    assert sched.left("r1", "residual") == 16 * KB
+    sched.step()
+    assert sched.inflight_bytes == 16 * KB and sched.stats.chunks_posted == 1
+    assert sched.left("r1", "residual") == 16 * KB
+    dst.hang = False
+    clock.t += sched.step() or 0.0
+    assert [(e.stream, e.ok) for e in events] == [("residual", True)]
+    assert sched.left("r1", "residual") is None  # finished: no longer queued
+
+
+def test_srpt_equal_bytes_left_the_unit_ready_first_goes_first(fabric: FakeFabric) -> None:
+    """Two units with equal bytes left: the one that became ready first goes first, before queueing order. A split
+    request's residual (queued first) becomes ready only when its anchor is fully posted (1 ms); a whole request
+    queued after it, at 0, was ready then, so it goes before the residual."""
+    sched, _, job, events, clock, _ = make(fabric, link_gbps=LINK_16K_PER_MS, order="srpt")
+    sched.submit(job("s", "anchor", 0, 32 * KB))  # split: two chunks, fully posted at 1 ms
+    sched.submit(job("s", "residual", 32 * KB, 32 * KB))
+    w = job("w", "anchor", 128 * KB, 32 * KB)
+    w.order = "whole"
+    sched.submit(w)
+    run_until_idle(sched, clock)
+    firsts = list(dict.fromkeys((r, s) for r, s, *_ in sched.stats.post_log))
+    assert firsts == [("s", "anchor"), ("w", "anchor"), ("s", "residual")], firsts
+    assert [(e.req_id, e.stream) for e in events] == [("s", "anchor"), ("w", "anchor"), ("s", "residual")]
+
+
+def test_anchor_first_a_later_requests_anchor_overtakes_an_earlier_residual(fabric: FakeFabric) -> None:
+    """``anchor_first``: every anchor, of any request, before any residual (the rule before issue 16): w2's anchor,
+    queued after w1's residual, goes before it, although both requests are whole."""
+    sched, _, job, events, clock, _ = make(fabric, link_gbps=LINK_16K_PER_MS, order="anchor_first")
+    for i, name in enumerate(("w1", "w2")):
+        for stream, off in (("anchor", 0), ("residual", 32 * KB)):
+            j = job(name, stream, i * 128 * KB + off, 32 * KB)
+            j.order = "whole"
+            sched.submit(j)
+    run_until_idle(sched, clock)
+    firsts = list(dict.fromkeys((r, s) for r, s, *_ in sched.stats.post_log))
+    assert firsts == [("w1", "anchor"), ("w2", "anchor"), ("w1", "residual"), ("w2", "residual")], firsts
