@@ -31,9 +31,11 @@ __all__ = ["Addr", "DoneCourier", "Measure", "NO_MEASURE", "PeerLink", "PullStat
 
 Addr = tuple[str, int]
 #: A host zmq can connect to: a DNS name or IPv4 address (dot-separated labels of letters, digits and inner
-#: hyphens), or an IPv6 address in brackets. zmq refuses some others at connect (".", "-", "_", "a b", "*").
-_HOST = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-                   r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*|\[[0-9A-Fa-f:.]{2,45}\]")
+#: hyphens or underscores, as container names have), or an IPv6 address in brackets (with a %zone). zmq refuses
+#: some others at connect (".", "-", "_", "a b", "*").
+_HOST = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9])?"
+                   r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)*"
+                   r"|\[[0-9A-Fa-f:.]{2,45}(?:%[A-Za-z0-9_.-]{1,32})?\]")
 
 
 def check_peer_addr(host: object, port: object) -> None:

@@ -270,7 +270,7 @@ def test_anchor_only_pull_leaves_the_residual_unread(pair) -> None:
     wait_for(lambda: src.stats()["regions_live"] == 0)  # done sent after the anchor: P freed both regions
 
 
-@pytest.mark.parametrize("host", ["a b", "*", "", ".", "-", "_", "a..b", "tcp://h", "h:1", "[zz]", "x" * 254])
+@pytest.mark.parametrize("host", ["a b", "*", "", ".", "-", "_", "_a", "a..b", "tcp://h", "h:1", "[zz]", "x" * 254])
 def test_a_peer_address_zmq_cannot_connect_to_is_refused_at_once(pair, host) -> None:
     """Such a host raised inside the sink's service thread (sockets left open and registered at every resend of
     the Done owed to it) and the pull failed only at its deadline, as an unanswered peer: now pull and discard
@@ -288,7 +288,7 @@ def test_peer_addresses_d_accepts() -> None:
     from lynx_connector.transport.link import check_peer_addr
 
     for host in ("127.0.0.1", "localhost", "p-0.prefill.svc", "prefill-0.lynx.default.svc.cluster.local", "[::1]",
-                 "[fd00::1:2]", "a" * 63 + "." + "b" * 63):
+                 "[fd00::1:2]", "[fe80::1%eth0]", "lynx_prefill_1", "a" * 63 + "." + "b" * 63):
         check_peer_addr(host, 5555)
     for host, port in (("127.0.0.1", 0), ("127.0.0.1", 65536), ("127.0.0.1", True), ("127.0.0.1", "80"),
                        (b"127.0.0.1", 80), ("a" * 64, 80)):
