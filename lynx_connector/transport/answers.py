@@ -42,7 +42,7 @@ class SourceAnswers:
             self._log.warn("bad_notif", f"ignored a NIXL done notification for an unknown request or with a wrong "
                                         f"token: {rest[:64]!r}")
             return
-        self._free(req_id, "done")
+        self._free(req_id, "done", transfer_id=tid)
 
     def _lookup(self, tid: str, token: str) -> Any | None:
         """The entry of a transfer id presenting its token (constant-time compare), else None (lock held)."""
@@ -110,7 +110,7 @@ class SourceAnswers:
                     return proto.Ack(v=v, transfer_id=msg.transfer_id)
             if req_id is None:
                 return self._unknown(msg.transfer_id)
-            self._free(req_id, "done", (msg.link_s, msg.link_bytes))
+            self._free(req_id, "done", (msg.link_s, msg.link_bytes), transfer_id=msg.transfer_id)
             return proto.Ack(v=v, transfer_id=msg.transfer_id)
         if isinstance(msg, proto.KeepAlive):
             return self._keep_alive(sess, msg)

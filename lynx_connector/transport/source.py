@@ -108,19 +108,15 @@ class TransferSource(SourceAnswers, SideChannelServer):
                          "keepalive_gone": 0, "partial_published": 0}
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes)  # bigger: the connection is dropped
-        self._sock.setsockopt(zmq.RCVHWM, config.rcvhwm)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot be delivered raises: counted, logged
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-        if config.port == 0:
-            port = self._sock.bind_to_random_port(f"tcp://{config.host}")
-        else:
-            self._sock.bind(f"tcp://{config.host}:{config.port}")
-            port = config.port
+        try:
+            port = self._bind(config)
+            self._waker = Waker(self._ctx)
+        except BaseException:  # a port in use, a bad host: nothing this source opened stays open
+            self._sock.close(linger=0)
+            self._ctx.term()
+            self._nixl.close()  # the source owns its agent from here, a caller's too (as close() does)
+            raise
         self._address = (config.host, int(port))
-        self._waker = Waker(self._ctx)
         self._stop = False
         self.cpu_s = 0.0
         self.mac_s = 0.0  # of the service thread: side-channel MACs (proto.mac_seconds)
@@ -130,6 +126,18 @@ class TransferSource(SourceAnswers, SideChannelServer):
         self._thread.start()
         logger.info("lynx transfer source %s listening on %s:%s (%s)", self.name, *self._address,
                     "authenticated" if config.key is not None else "INSECURE: no side-channel key")
+
+    def _bind(self, config: TransportConfig) -> int:
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes)  # bigger: the connection is dropped
+        self._sock.setsockopt(zmq.RCVHWM, config.rcvhwm)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot be delivered raises: counted, logged
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        if config.port == 0:
+            return self._sock.bind_to_random_port(f"tcp://{config.host}")
+        self._sock.bind(f"tcp://{config.host}:{config.port}")
+        return config.port
 
     # ---- caller API --------------------------------------------------------------------------
     @property
@@ -345,12 +353,16 @@ class TransferSource(SourceAnswers, SideChannelServer):
         self._ctx.term()
 
     # ---- internals ---------------------------------------------------------------------------
-    def _free(self, req_id: str, why: str, measure: tuple[float, int] = (0.0, 0)) -> bool:
-        """``measure``: (link seconds, bytes) D measured reading the request (its Done; zeros = not measured)."""
+    def _free(self, req_id: str, why: str, measure: tuple[float, int] = (0.0, 0), transfer_id: str | None = None
+              ) -> bool:
+        """``measure``: (link seconds, bytes) D measured reading the request (its Done; zeros = not measured).
+        ``transfer_id``: free only that transfer of the request (a Done or a lease looked it up without the lock
+        held since: the caller may have aborted it and staged the request id again)."""
         with self._lock:
-            entry = self._entries.pop(req_id, None)
-            if entry is None:
+            entry = self._entries.get(req_id)
+            if entry is None or (transfer_id is not None and entry.transfer_id != transfer_id):
                 return False
+            del self._entries[req_id]
             self._by_tid.pop(entry.transfer_id, None)
             self._freed.append(req_id)
             self.counters[f"freed_{why}"] += 1
@@ -377,14 +389,19 @@ class TransferSource(SourceAnswers, SideChannelServer):
         poller.register(self._waker.receiver, zmq.POLLIN)
         t_cpu = time.thread_time()
         while not self._stop:
-            ready = dict(poller.poll(self._poll_timeout_ms()))
-            if self._waker.receiver in ready:
-                self._waker.drain()
-            if self._sock in ready:
-                self._drain_socket()
-            self._expire_leases()
-            if self.config.target_progress_s > 0 and self._has_published():
-                self._pump_nixl()
+            try:
+                ready = dict(poller.poll(self._poll_timeout_ms()))
+                if self._waker.receiver in ready:
+                    self._waker.drain()
+                if self._sock in ready:
+                    self._drain_socket()
+                self._expire_leases()
+                if self.config.target_progress_s > 0 and self._has_published():
+                    self._pump_nixl()
+            except Exception:  # never let one bad message or event kill the thread every D depends on (leases
+                # would never expire: staging never freed)
+                logger.exception("lynx source: service loop error (continuing)")
+                time.sleep(0.01)
             self.cpu_s = time.thread_time() - t_cpu
             self.mac_s = proto.mac_seconds()
             self._status.maybe_write()
@@ -406,12 +423,13 @@ class TransferSource(SourceAnswers, SideChannelServer):
     def _expire_leases(self) -> None:
         now = time.monotonic()
         with self._lock:
-            expired = [r for r, e in self._entries.items() if e.deadline is not None and e.deadline <= now]
+            expired = [(r, e.transfer_id) for r, e in self._entries.items()
+                       if e.deadline is not None and e.deadline <= now]
             for tid in [t for t, rej in self._rejected.items() if rej[2] <= now]:
                 del self._rejected[tid]
-        for req_id in expired:
-            logger.warning("lease of %s expired after %.1fs without D's done: freeing", req_id, self.config.lease_s)
-            self._free(req_id, "lease")
+        for req_id, tid in expired:
+            if self._free(req_id, "lease", transfer_id=tid):
+                logger.warning("lease of %s expired after %.1fs without D's done: freed", req_id, self.config.lease_s)
         for ident in [i for i, p in self._pending.items() if p.expires <= now]:
             del self._pending[ident]
 

@@ -343,3 +343,75 @@ def test_a_pull_dropped_with_reads_in_flight_keeps_its_staging_out_of_reuse(fabr
     finally:
         sink.close()
         src.close()
+
+
+def test_a_source_that_cannot_bind_closes_what_it_opened(fabric: FakeFabric) -> None:
+    """P's side-channel port is taken: the constructor raises, and its zmq socket and context and the NIXL agent it
+    owns are closed (they were left open, with the pool registered, at every failed start)."""
+    import os
+
+    import zmq
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        cfg = TransportConfig(pool_bytes=1 << 16, host="127.0.0.1", port=busy.getsockname()[1], key=TEST_KEY)
+        fds = len(os.listdir("/proc/self/fd"))
+        agents = [FakeNixlWrapper(fabric, f"P{i}") for i in range(5)]
+        for agent in agents:
+            with pytest.raises(zmq.ZMQError):
+                TransferSource(cfg, COMPAT, nixl=agent)
+        assert all(a.closed for a in agents)
+        assert len(os.listdir("/proc/self/fd")) <= fds + 1
+    finally:
+        busy.close()
+
+
+def test_an_error_in_p_service_loop_does_not_stop_it(fabric: FakeFabric, monkeypatch) -> None:
+    """An unexpected error in one pass of P's service loop is logged and the loop goes on (it killed P's only
+    service thread: no D answered again, no lease expired, staging never freed)."""
+    cfg = TransportConfig(pool_bytes=1 << 20, chunk_bytes=64 << 10, timeout_s=3.0, lease_s=30.0, retry_s=0.01,
+                          key=TEST_KEY)
+    src = TransferSource(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
+    sink = TransferSink(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "D"))
+    try:
+        real, calls = src._expire_leases, []
+
+        def flaky() -> None:
+            calls.append(1)
+            if len(calls) <= 2:
+                raise RuntimeError("injected")
+            real()
+
+        monkeypatch.setattr(src, "_expire_leases", flaky)
+        src._waker.wake()
+        wait_for(lambda: len(calls) > 2)
+        st = stage(src, "p1", 8192, 0)
+        loc = sink.pool.alloc_request("d1", 8192, 0)
+        sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, None)
+        (ev,) = collect(sink, 1)
+        assert ev.ok and torch.equal(loc.anchor, st.anchor) and src._thread.is_alive()
+    finally:
+        sink.close()
+        src.close()
+
+
+def test_a_late_done_or_lease_frees_only_its_own_transfer(fabric: FakeFabric) -> None:
+    """P looks a Done's (or an expired lease's) request up, then frees it without the lock held: if the caller
+    aborted it and staged the same request id again in between, the new transfer must not be freed."""
+    cfg = TransportConfig(pool_bytes=1 << 20, timeout_s=3.0, lease_s=30.0, key=TEST_KEY)
+    src = TransferSource(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
+    try:
+        stage(src, "p1", 4096, 0)
+        old_tid, _ = src.ticket("p1")
+        src.abort("p1")
+        stage(src, "p1", 4096, 0)  # the same request id, a new transfer
+        new_tid, _ = src.ticket("p1")
+        assert new_tid != old_tid
+        for why in ("done", "lease"):
+            assert src._free("p1", why, transfer_id=old_tid) is False
+        assert src.ticket("p1")[0] == new_tid and src.stats()["regions_live"] > 0
+        assert src._free("p1", "done", transfer_id=new_tid) is True
+    finally:
+        src.close()
