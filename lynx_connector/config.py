@@ -132,13 +132,15 @@ class LynxConfig:
     codec_options: Mapping[str, Any] = field(default_factory=dict)
     #: Emulated link rate (D paces its pulls on a virtual link clock), Gbit/s; None = unpaced.
     link_gbps: float | None = None
-    #: Transfer chunk size and bytes in flight (the priority granularity of the two streams).
+    #: Transfer chunk size (the priority granularity of the two streams), bytes.
     chunk_bytes: int = 1 << 20
+    #: D's bytes in flight: how many chunks' reads are posted at once, bytes.
     window_bytes: int = 8 << 20
     #: Staging memory registered with NIXL once, per worker, MiB.
     staging_mb: int = 256
-    #: P's side channel (zmq). Port 0 picks a free port and tells D through kv_transfer_params.
+    #: P's side channel (zmq): the address P binds and tells D through kv_transfer_params (one D can reach).
     side_channel_host: str = "127.0.0.1"
+    #: P's side-channel port (rank r of a TP group uses port + r); 0 picks a free port, told to D the same way.
     side_channel_port: int = 0
     #: P frees a request's staging when D has neither finished nor renewed it for this many seconds (D renews
     #: every request it pulls, queued or in flight, every quarter of P's lease). null: 120, or 1.25x the time a

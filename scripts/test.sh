@@ -7,11 +7,12 @@
 # (tests/test_packaging.py, tests/test_wheel_install.py; scripts/wheel_smoke.sh runs only these).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${LYNX_VENV:-$ROOT/.venv}"  # as scripts/setup_env.sh
 bash "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 set +e
-"$ROOT/.venv/bin/python" -m pytest -ra "$@"
+"$VENV/bin/python" -m pytest -ra "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

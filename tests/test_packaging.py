@@ -71,6 +71,19 @@ def test_entry_points_are_declared(names: list[str], wheel: Path) -> None:
     assert "lynx = lynx_connector.plugin:register" in text
 
 
+def test_metadata_carries_the_license_and_the_package_version(names: list[str], wheel: Path) -> None:
+    """The wheel ships the license text it declares (Apache-2.0), and its version is lynx_connector.__version__
+    (set in two places: pyproject.toml and the package)."""
+    import lynx_connector
+
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    with zipfile.ZipFile(wheel) as zf:
+        text = zf.read(metadata).decode()
+    assert f"\nVersion: {lynx_connector.__version__}\n" in text
+    assert "\nLicense-Expression: Apache-2.0\n" in text
+
+
 def _module_name(path: str) -> str:
     parts = list(PurePosixPath(path).with_suffix("").parts)
     if parts[-1] == "__init__":

@@ -4,6 +4,7 @@ calibration, and the CLI's outputs. Nothing here runs an engine; no timing is as
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -193,7 +194,7 @@ def test_bytes_come_from_the_codec_registry(tmp_path: Path) -> None:
 
 
 def test_the_real_result_files_parse() -> None:
-    c, rec = model_inputs.read_constants(model_inputs.RESULTS)
+    c, rec = model_inputs.read_constants(Path(__file__).resolve().parents[2] / model_inputs.RESULTS)
     assert 0 < c.transport_ratio <= 1 and 0 < c.anchor_share <= 1 and 0 <= c.acceptance.acceptance <= 1
     assert rec["transfer"]["rates_used_gbps"] and rec["acceptance"]["files"]
 
@@ -233,3 +234,20 @@ def test_cli_missing_inputs_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="lynx bench model: .*codec.json not found: run `lynx bench codec"):
         cli.main(["bench", "model", "--results-dir", str(tmp_path), "--out", str(tmp_path / "m.json")])
     assert not (tmp_path / "m.json").exists()
+
+
+def test_from_an_installed_wheel_results_are_the_working_directory_s_and_git_is_not_asked(tmp_path) -> None:
+    """Installed, the package's parents are site-packages: the default results folder was site-packages/benchmarks
+    (read nothing, --out wrote there) and git described whatever repository holds site-packages."""
+    from lynx_connector.lab.bench import common
+
+    assert not model_inputs.RESULTS.is_absolute()
+    assert common.git_revision(None) == {"commit": None, "dirty": None}
+    site = tmp_path / "lib" / "python3.11" / "site-packages"
+    (site / "lynx_connector" / "lab" / "bench").mkdir(parents=True)
+    fake = site / "lynx_connector" / "lab" / "bench" / "common.py"
+    fake.write_text(Path(common.__file__).read_text())
+    spec = importlib.util.spec_from_file_location("wheel_common", fake)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.REPO_ROOT is None and common.REPO_ROOT == Path(__file__).resolve().parents[2]

@@ -29,7 +29,9 @@ _VERSION_DISTS: dict[str, tuple[str, ...]] = {
     "numpy": ("numpy",),
 }
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+#: The checkout the package runs from; None when it runs from an installed wheel (site-packages is no checkout).
+_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT: Path | None = _ROOT if (_ROOT / "pyproject.toml").is_file() and (_ROOT / "kernels").is_dir() else None
 
 
 def package_versions() -> dict[str, str | None]:
@@ -46,8 +48,11 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
-def git_revision(root: Path = REPO_ROOT) -> dict[str, Any]:
-    """``{"commit": sha|None, "dirty": bool|None}`` of the checkout the package runs from."""
+def git_revision(root: Path | None = REPO_ROOT) -> dict[str, Any]:
+    """``{"commit": sha|None, "dirty": bool|None}`` of the checkout the package runs from (None, None from a wheel:
+    git would answer for whatever repository holds site-packages)."""
+    if root is None:
+        return {"commit": None, "dirty": None}
     try:
         sha = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "HEAD"],
