@@ -211,13 +211,18 @@ def test_full_request_behind_speculative_anchors_goes_before_their_residuals(fab
     assert finish["anchor_first"] == pytest.approx(0.024)
 
 
-def test_whole_requests_move_back_to_back(fabric: FakeFabric) -> None:
-    sched, _, job, events, clock, _ = make(fabric, link_gbps=LINK_16K_PER_MS, order="arrival")
-    for i, name in enumerate(("w1", "w2")):
-        for stream, off in (("anchor", 0), ("residual", 64 * KB)):
-            j = job(name, stream, i * 128 * KB + off, 64 * KB)
+def submit_whole(sched, job, requests) -> None:
+    """Submit whole (single-unit) requests: (name, offset, anchor bytes, residual bytes), residual after anchor."""
+    for name, off, anchor, residual in requests:
+        for stream, o, n in (("anchor", off, anchor), ("residual", off + anchor, residual)):
+            j = job(name, stream, o, n)
             j.order = "whole"
             sched.submit(j)
+
+
+def test_whole_requests_move_back_to_back(fabric: FakeFabric) -> None:
+    sched, _, job, events, clock, _ = make(fabric, link_gbps=LINK_16K_PER_MS, order="arrival")
+    submit_whole(sched, job, [("w1", 0, 64 * KB, 64 * KB), ("w2", 128 * KB, 64 * KB, 64 * KB)])
     times = run_recording(sched, clock, events)
     assert [(e.req_id, e.stream) for e in events] == [("w1", "anchor"), ("w1", "residual"), ("w2", "anchor"),
                                                       ("w2", "residual")]
@@ -437,11 +442,7 @@ def test_srpt_counts_a_whole_requests_residual_in_its_unit_size(fabric: FakeFabr
     96 KiB residual = 112 KiB) queued before w2 (32 + 32 = 64 KiB): w2 moves first, whole, then w1, with no
     interleaving (counting the anchor alone would start w1's small anchor first and split the two requests)."""
     sched, _, job, events, clock, _ = make(fabric, link_gbps=LINK_16K_PER_MS, order="srpt")
-    for name, anchor, residual, off in (("w1", 16 * KB, 96 * KB, 0), ("w2", 32 * KB, 32 * KB, 256 * KB)):
-        for stream, o, n in (("anchor", off, anchor), ("residual", off + anchor, residual)):
-            j = job(name, stream, o, n)
-            j.order = "whole"
-            sched.submit(j)
+    submit_whole(sched, job, [("w1", 0, 16 * KB, 96 * KB), ("w2", 256 * KB, 32 * KB, 32 * KB)])
     run_until_idle(sched, clock)
     posts = [(r, s) for r, s, *_ in sched.stats.post_log]
     assert list(dict.fromkeys(posts)) == [("w2", "anchor"), ("w2", "residual"), ("w1", "anchor"),
@@ -527,11 +528,7 @@ def test_anchor_first_a_later_requests_anchor_overtakes_an_earlier_residual(fabr
     """``anchor_first``: every anchor, of any request, before any residual (the rule before issue 16): w2's anchor,
     queued after w1's residual, goes before it, although both requests are whole."""
     sched, _, job, events, clock, _ = make(fabric, link_gbps=LINK_16K_PER_MS, order="anchor_first")
-    for i, name in enumerate(("w1", "w2")):
-        for stream, off in (("anchor", 0), ("residual", 32 * KB)):
-            j = job(name, stream, i * 128 * KB + off, 32 * KB)
-            j.order = "whole"
-            sched.submit(j)
+    submit_whole(sched, job, [("w1", 0, 32 * KB, 32 * KB), ("w2", 128 * KB, 32 * KB, 32 * KB)])
     run_until_idle(sched, clock)
     firsts = list(dict.fromkeys((r, s) for r, s, *_ in sched.stats.post_log))
     assert firsts == [("w1", "anchor"), ("w2", "anchor"), ("w1", "residual"), ("w2", "residual")], firsts

@@ -212,6 +212,17 @@ def test_silent_peer_fails_within_timeout(fabric: FakeFabric) -> None:
         silent.close()
 
 
+def hung_pull(src: TransferSource, sink: TransferSink, p_req: str, d_req: str) -> FakeNixlWrapper:
+    """A pull whose NIXL reads never complete (D's fake NIXL hangs), once they are in flight."""
+    dnixl: FakeNixlWrapper = sink._nixl  # type: ignore[assignment]
+    dnixl.hang = True
+    stage(src, p_req, 8192, 0)
+    loc = sink.pool.alloc_request(d_req, 8192, 0)
+    sink.pull(d_req, *src.address, *src.ticket(p_req), loc.anchor, None)
+    wait_for(lambda: dnixl.live_handles > 0)
+    return dnixl
+
+
 def test_nixl_failure_mid_transfer_and_abort(pair) -> None:
     src, sink = pair
     dnixl: FakeNixlWrapper = sink._nixl  # type: ignore[assignment]
@@ -223,11 +234,7 @@ def test_nixl_failure_mid_transfer_and_abort(pair) -> None:
     assert not any(e.ok for e in evs) and "ERR" in evs[0].error
     assert sink.stats()["peers"] == 0  # dropped: the next pull re-handshakes
     dnixl.fail_peers.clear()
-    dnixl.hang = True
-    stage(src, "p2", 8192, 0)
-    loc2 = sink.pool.alloc_request("d2", 8192, 0)
-    sink.pull("d2", *src.address, *src.ticket("p2"), loc2.anchor, None)
-    wait_for(lambda: dnixl.live_handles > 0)
+    hung_pull(src, sink, "p2", "d2")
     sink.abort("d2")
     assert dnixl.live_handles == 0 and sink.stats()["pulls_live"] == 0
     wait_for(lambda: src.stats()["regions_live"] == 0)
@@ -241,12 +248,7 @@ def test_release_of_a_pull_in_flight_drops_it_like_abort(pair) -> None:
     """``release`` while reads are in flight: they are cancelled (no handle left, no later event), and D's staging
     is quarantined, not reusable at once, since NIXL's release does not wait for a read already posted."""
     src, sink = pair
-    dnixl: FakeNixlWrapper = sink._nixl  # type: ignore[assignment]
-    dnixl.hang = True
-    stage(src, "p1", 8192, 0)
-    loc = sink.pool.alloc_request("d1", 8192, 0)
-    sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, None)
-    wait_for(lambda: dnixl.live_handles > 0)
+    dnixl = hung_pull(src, sink, "p1", "d1")
     sink.release("d1")
     wait_for(lambda: sink.stats()["pulls_live"] == 0)
     assert dnixl.live_handles == 0
