@@ -77,6 +77,12 @@ def _meta(gmin, gmax, LEVELS: tl.constexpr):
 
 
 @triton.jit
+def _nan_if(flag, s16):
+    """NaN as the scale of groups holding a NaN (min/max skip NaN), so the metadata check refuses them."""
+    return tl.where(flag, float("nan"), s16.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
 def encode_kernel(
     kv_ptr, ids_ptr, codes_ptr, res_ptr, scale_ptr, mn_ptr,
     T, H, BS: tl.constexpr, s_b, s_h, base, PT: tl.constexpr, s_t1, s_t0, PD: tl.constexpr, s_d1, s_d0,
@@ -112,6 +118,8 @@ def encode_kernel(
         gmax_o = tl.max(tl.where(m2, xo, -inf), axis=0)
         mn_e, s_e = _meta(gmin_e, gmax_e, LEVELS)
         mn_o, s_o = _meta(gmin_o, gmax_o, LEVELS)
+        s_e = _nan_if(tl.max(tl.where(m2 & (xe != xe), 1, 0), axis=0) > 0, s_e)
+        s_o = _nan_if(tl.max(tl.where(m2 & (xo != xo), 1, 0), axis=0) > 0, s_o)
         mbase = (tl.program_id(0) * H + h) * D + 2 * cols
         cmask = cols < HALF
         tl.store(scale_ptr + mbase, s_e, mask=cmask)
@@ -125,6 +133,7 @@ def encode_kernel(
         gmin = tl.minimum(tl.min(tl.where(cm, xe, inf), axis=1), tl.min(tl.where(cm, xo, inf), axis=1))
         gmax = tl.maximum(tl.max(tl.where(cm, xe, -inf), axis=1), tl.max(tl.where(cm, xo, -inf), axis=1))
         mn16, s16 = _meta(gmin, gmax, LEVELS)
+        s16 = _nan_if(tl.max(tl.where(cm & ((xe != xe) | (xo != xo)), 1, 0), axis=1) > 0, s16)
         tl.store(scale_ptr + rows, s16, mask=rmask)
         tl.store(mn_ptr + rows, mn16, mask=rmask)
         mnf = mn16.to(tl.float32)[:, None]

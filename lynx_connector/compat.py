@@ -65,6 +65,7 @@ def kv_compat(*, model: str, layer_names: list[str], layout: KVLayout, codec_opt
     # defaults, so {"group_tokens": 128} and {"group_tokens": 128, "k_group_tokens": 64} differ though the merged
     # options looked alike (and equal codecs spelled two ways were refused); the default's string is unchanged
     codec = get_codec(LYNX_CODEC, **dict(codec_options))
+    codec.check_head_size(layout.head_size)  # at start-up, not at every request's encode
     grouping = {"k_group": codec.k_group, "k_group_tokens": codec.k_tokens, "v_group": codec.v_group,
                 "v_group_tokens": codec.v_tokens}
     return {

@@ -26,8 +26,10 @@ from .base import Codec, check_plane
 from .hadamard import rotate, unrotate
 
 GROUPINGS = ("token", "channel", "hadamard")
-#: The largest group (tokens) an option may ask for: a group longer than any prompt is one range per channel.
-MAX_GROUP_TOKENS = 1 << 20
+#: The largest group (tokens) an option may ask for. A channel group's work (and the twin's padded temporaries)
+#: grows with its length, not the prompt's: 2^20 took GiBs to encode one token. 8192 still makes one range per
+#: channel of an 8K prompt.
+MAX_GROUP_TOKENS = 1 << 13
 CHUNK_ELEMS = 1 << 17  # values per chunk on the CPU: keeps the ~15-op elementwise chain in L2
 # On a GPU each chunk costs ~20 kernel launches and the range checks' host syncs: CPU-sized chunks made int8 (which
 # has no Triton kernel) encode at 0.5 GB/s on an H200 (benchmarks/results/gpu/gpu_codec.md). 16M values (a
@@ -94,7 +96,14 @@ class GroupQuantCodec(Codec):
     def _tensor_nbytes(self, group: str, g: int, t: int, h: int, d: int) -> int:
         return self._codes_nbytes(t, h, d) + 4 * self._meta_groups(group, g, t, h, d)
 
+    def check_head_size(self, head_size: int) -> None:
+        """Refuse (ValueError) a head size this codec cannot encode: the Hadamard grouping needs a power of two."""
+        if "hadamard" in (self.k_group, self.v_group) and (head_size < 1 or head_size & (head_size - 1)):
+            raise ValueError(f"codec {self.name}: the hadamard grouping needs a power-of-two head size, got "
+                             f"{head_size} (use k_group/v_group token or channel)")
+
     def plane_nbytes(self, num_tokens: int, num_heads: int, head_size: int, cache_dtype: torch.dtype) -> tuple[int, int]:
+        self.check_head_size(head_size)
         t, h, d = num_tokens, num_heads, head_size
         anchor = self._tensor_nbytes(self.k_group, self.k_tokens, t, h, d) + self._tensor_nbytes(
             self.v_group, self.v_tokens, t, h, d)

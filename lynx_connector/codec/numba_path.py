@@ -22,6 +22,9 @@ from .base import Codec, check_plane
 from .groupquant import GroupQuantCodec
 from .layout import BlockIds, KVLayout, TileAddr
 
+#: The longest span (whole blocks and channel groups of K and V together) the fp32 one-pass encode takes; longer
+#: ones (co-prime group sizes: lcm(997, 1009) tokens) are handed to the twin.
+MAX_SPAN_TOKENS = 1 << 13
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -157,6 +160,8 @@ def _run(codec: GroupQuantCodec, kv_layer: torch.Tensor, block_ids: BlockIds, la
             return True
         # one pass over K and V, per span of whole blocks and channel groups
         span = math.lcm(bs, *(a.g for a in (k, v) if a.channel))
+        if span > MAX_SPAN_TOKENS:  # co-prime group sizes: the span's prefetch would take GiBs; the twin encodes
+            return False
         return kernels.encode_f32_kv(f32, bs, t, h, span, codec.levels, packed, two, tuple(k), tuple(v)) == kernels.OK
     for a in (k, v):  # bf16/fp16 caches: the generic kernels, one tensor at a time
         if skip is None:

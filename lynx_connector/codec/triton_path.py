@@ -1,27 +1,35 @@
 """Dispatch of the contract functions to the Triton kernels (GPU, or the CPU interpreter in tests).
 
 Only 4-bit group codecs with token/channel groups have kernels (Lynx, int4, int4_kivi); the Hadamard
-grouping, int8 and the fp8/bf16 baselines run through the torch path. Non-finite input cannot raise inside
-a kernel, so it is detected afterwards from the fp16 metadata (NaN/inf min or scale) before the planes leave.
+grouping, int8 and the fp8/bf16 baselines run through the torch path. Non-finite or out-of-range input cannot
+raise inside a kernel: the fp16 metadata tells afterwards (NaN/inf min or scale, a top level past 65504), and such
+a layer is encoded again by the twin, which raises the error it defines, before the planes leave.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lynx_connector.kernels.errors import NonFiniteKVError
+from lynx_connector.kernels.fp16_meta import FP16_MAX
 
 from .base import Codec, check_plane
 from .groupquant import GroupQuantCodec
 from .layout import BlockIds, KVLayout
 
+#: The longest channel group the Triton kernels take: one program holds a [group, head_size/2] tile (compiled and
+#: checked on an H200 up to the default's 256); longer groups go through the torch twin on the GPU.
+TRITON_MAX_GROUP_TOKENS = 256
+
 
 def supports_triton(codec: Codec) -> bool:
-    """True when ``codec`` has Triton kernels (4-bit, token/channel groups, power-of-two group_tokens)."""
+    """True when ``codec`` has Triton kernels (4-bit, token/channel groups; a channel group's tokens a power of two,
+    at most TRITON_MAX_GROUP_TOKENS)."""
     if not isinstance(codec, GroupQuantCodec) or codec.bits != 4:
         return False
-    pow2 = all(g & (g - 1) == 0 for g in (codec.k_tokens, codec.v_tokens))
-    return all(x in ("token", "channel") for x in (codec.k_group, codec.v_group)) and pow2
+    if not all(x in ("token", "channel") for x in (codec.k_group, codec.v_group)):
+        return False
+    channel = [g for g, kind in ((codec.k_tokens, codec.k_group), (codec.v_tokens, codec.v_group)) if kind == "channel"]
+    return all(g & (g - 1) == 0 and g <= TRITON_MAX_GROUP_TOKENS for g in channel)
 
 
 def _parts(codec: GroupQuantCodec, anchor, residual, t: int, h: int, d: int):
@@ -63,8 +71,15 @@ def encode_triton(
         encode_paged(kv_layer, ids, layout.tile_addr(kv_layer, kind), t, h, layout.block_size, d, codes, res,
                      scale, mn, group == "channel", g, block_rows)
         codec._commit(abuf, group, g, t, h, d, scale, mn)
-        if not (bool(torch.isfinite(scale).all()) and bool(torch.isfinite(mn).all())):
-            raise NonFiniteKVError(f"{layer_name}.{kind}: KV contains NaN/inf or exceeds the fp16 metadata range")
+        # The kernels cannot raise: metadata that is not finite (NaN/inf KV, or below -65504) or whose top level
+        # lies past fp16's largest value (KV possibly above 65504) sends the layer to the twin, which raises the
+        # error it defines (NonFiniteKVError, KVRangeError) or, the values being in range after all, writes the
+        # same planes. One host sync per tensor, as before.
+        top = mn.double() + codec.levels * scale.double()  # exact: no rounding below the true top
+        if not bool((torch.isfinite(scale).all() & torch.isfinite(mn).all() & (top <= FP16_MAX).all()).item()):
+            k, v = layout.gather(kv_layer, block_ids, t)
+            codec.encode_tokens(k, v, anchor_out, residual_out if codec.two_stream else None, layer_name)
+            return
 
 
 def decode_triton(

@@ -211,3 +211,44 @@ def test_kernel_path_names_what_encode_runs() -> None:
     assert kernel_path(get_codec("bf16"), src, layout) == "torch"
     strided = torch.zeros(*src.shape[:3], 4 * src.shape[3])[..., ::2]  # same shape, rows not contiguous
     assert kernel_path(get_codec("lynx"), strided, layout) == "torch"
+
+
+def test_a_head_size_the_hadamard_grouping_cannot_take_fails_at_start_up() -> None:
+    """Hadamard needs a power-of-two head size: a Lynx codec with it on a model of head size 80 or 96 (accepted
+    until then) is refused when sizes are computed and by the start-up compat, not at every request's encode."""
+    from lynx_connector.compat import kv_compat
+
+    codec = get_codec("lynx", k_group="hadamard")
+    assert codec.plane_nbytes(16, 2, 64, torch.bfloat16)[0] > 0
+    for d in (80, 96):
+        with pytest.raises(ValueError, match="power-of-two head size, got"):
+            codec.plane_nbytes(16, 2, d, torch.bfloat16)
+        with pytest.raises(ValueError, match="hadamard"):
+            kv_compat(model="m", layer_names=["l0"], layout=KVLayout.flash(2, 16, d, torch.bfloat16),
+                      codec_options={"k_group": "hadamard"}, tp_rank=0, tp_size=1)
+    kv_compat(model="m", layer_names=["l0"], layout=KVLayout.flash(2, 16, 96, torch.bfloat16), codec_options={},
+              tp_rank=0, tp_size=1)  # the default grouping takes any even head size
+
+
+def test_group_sizes_are_bounded_and_co_prime_channel_groups_encode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A channel group costs memory in its length, not the prompt's (2^20 tokens took GiBs for one token): options
+    past MAX_GROUP_TOKENS are refused; co-prime K and V groups, whose common span would make numba's one-pass fp32
+    encode allocate GiBs, are handed to the twin (same planes)."""
+    from lynx_connector.codec import groupquant, numba_path
+
+    with pytest.raises(ValueError, match="k_group_tokens must be an integer in"):
+        get_codec("lynx", k_group_tokens=groupquant.MAX_GROUP_TOKENS + 1)
+    if numba_path.numba_kernels() is None:
+        pytest.skip("numba unavailable")
+    codec = get_codec("lynx", k_group="channel", v_group="channel", k_group_tokens=997, v_group_tokens=1009)
+    layout = KVLayout.flash(1, 16, 8, torch.float32)
+    src = torch.randn(3, 1, 16, 16)
+    na, nr = plane_nbytes(codec, layout, 20)
+    planes = []
+    for impl in ("torch", "numba"):
+        a, r = torch.zeros(na, dtype=torch.uint8), torch.zeros(nr, dtype=torch.uint8)
+        encode(codec, src, [2, 0], layout, 20, a, r, impl=impl)
+        planes.append((a, r))
+    assert torch.equal(planes[0][0], planes[1][0]) and torch.equal(planes[0][1], planes[1][1])
+    a, r = torch.zeros(na, dtype=torch.uint8), torch.zeros(nr, dtype=torch.uint8)
+    assert numba_path.encode_numba(codec, src, [2, 0], layout, 20, a, r) is False  # handed to the twin

@@ -14,6 +14,7 @@ import torch
 
 from lynx_connector.codec import (
     KVLayout,
+    KVRangeError,
     NonFiniteKVError,
     decode_anchor,
     encode,
@@ -186,3 +187,38 @@ def test_triton_odd_metadata_offset(h, t) -> None:
         assert torch.equal(outs[0], outs[1])
         want, got = layout.gather(src, [1], t), layout.gather(dst, [1], t)
         assert all(float((g - w).abs().max()) < 0.05 for g, w in zip(got, want, strict=True))
+
+
+@interpreter_only
+@pytest.mark.parametrize(("value", "col", "error"), [(70000.0, 2, KVRangeError), (-65510.0, 12, KVRangeError),
+                                                     (float("nan"), 2, NonFiniteKVError),
+                                                     (float("nan"), 12, NonFiniteKVError), (65504.0, 2, None)])
+def test_triton_refuses_what_the_twin_refuses(value, col, error) -> None:
+    """KV past fp16's range is refused as the twin refuses it (KVRangeError; Triton encoded 70000 silently and
+    called -65510 non-finite), NaN as non-finite (min and max skip it: Triton encoded it silently); 65504 itself, whose top level the metadata rounds past 65504,
+    encodes to the twin's planes."""
+    layout = KVLayout.flash(1, 16, 8, torch.float32)
+    src = torch.randn(2, 1, 16, 16)
+    src[1, 0, 3, col] = value  # K (channel groups) or V (token groups)
+    src = src.to(DEV)
+    codec = get_codec("lynx")
+    if error is None:
+        _encode_both(codec, src, [1], layout, 16)
+        return
+    na, nr = plane_nbytes(codec, layout, 16)
+    for impl in ("torch", "triton"):
+        with pytest.raises(error):
+            encode(codec, src, [1], layout, 16, torch.zeros(na, dtype=torch.uint8, device=DEV),
+                   torch.zeros(nr, dtype=torch.uint8, device=DEV), impl=impl)
+
+
+def test_triton_takes_channel_groups_up_to_its_limit_only() -> None:
+    """A channel group longer than TRITON_MAX_GROUP_TOKENS is no Triton case (one program's tile would exceed
+    Triton's tensor size: 65536-token groups failed to compile); the torch twin encodes it on the GPU."""
+    from lynx_connector.codec.triton_path import TRITON_MAX_GROUP_TOKENS, supports_triton
+
+    assert supports_triton(get_codec("lynx"))
+    assert supports_triton(get_codec("lynx", k_group_tokens=TRITON_MAX_GROUP_TOKENS))
+    assert not supports_triton(get_codec("lynx", k_group_tokens=2 * TRITON_MAX_GROUP_TOKENS))
+    assert not supports_triton(get_codec("lynx", k_group_tokens=48))
+    assert supports_triton(get_codec("lynx", k_group="token", v_group="token", group_tokens=4096))  # unused there
