@@ -153,7 +153,8 @@ async def prefill(session: aiohttp.ClientSession, call: Call, url: str, request:
         code = error.get("code")
         status = code if isinstance(code, int) and 400 <= code < 500 else 400
         raise Passthrough("prefill", status, json.dumps({"error": error}).encode(), "application/json")
-    logger.debug("request %s prefilled on %s: kv_transfer_params=%s", call.request_id, url, params)
+    logger.debug("request %s prefilled on %s: kv_transfer_params keys %s", call.request_id, url,
+                 sorted(params))  # not the values: the transfer token and the signature are secrets
     return params
 
 

@@ -319,10 +319,10 @@ class LynxConnectorScheduler:
         assert fallback is not None  # the table gives every speculative mode one (tests/test_modes.py)
         req_id = request.request_id
         if request.use_structured_output:
-            logger.info("Request %s uses structured output: served as '%s' instead of '%s'", req_id, fallback, mode)
+            logger.debug("Request %s uses structured output: served as '%s' instead of '%s'", req_id, fallback, mode)
             return fallback
         if _seeded(request):
-            logger.info("Request %s samples with a seed: served as '%s' instead of '%s' (reproducible)", req_id,
+            logger.debug("Request %s samples with a seed: served as '%s' instead of '%s' (reproducible)", req_id,
                         fallback, mode)
             return fallback
         if self.speculation_enabled:

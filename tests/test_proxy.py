@@ -178,6 +178,20 @@ def test_completions_non_stream_forwards_params_verbatim() -> None:
     assert p.request_ids[0] is not None and p.request_ids[0] == d.request_ids[0]
 
 
+def test_the_debug_log_of_p_answer_names_its_keys_not_its_secrets(proxy_log: list[str]) -> None:
+    """P's kv_transfer_params carry the transfer token and their signature: the proxy's DEBUG line logged them
+    whole; it names the keys only."""
+    p = Fake("prefill", kv_params={**P_PARAMS, "lynx_token": "f" * 32, "lynx_sig": "a" * 64})
+
+    async def scenario(s: aiohttp.ClientSession, url: str) -> None:
+        async with s.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4}) as r:
+            assert r.status == 200
+
+    run_scenario([p], [Fake("decode")], scenario)
+    line = next(x for x in proxy_log if "prefilled on" in x)
+    assert "lynx_token" in line and "f" * 32 not in line and "a" * 64 not in line
+
+
 def test_completions_stream() -> None:
     p, d = Fake("prefill"), Fake("decode")
 

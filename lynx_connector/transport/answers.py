@@ -39,8 +39,8 @@ class SourceAnswers:
             req_id = None if entry is None else self._by_tid.get(tid)
         if req_id is None:
             self.counters["bad_notif"] += 1
-            self._log.warn("bad_notif", f"ignored a NIXL done notification for an unknown request or with a wrong "
-                                        f"token: {rest[:64]!r}")
+            self._log.warn("bad_notif", "ignored a NIXL done notification for an unknown request or with a wrong "
+                                        "token (transfer %r)", rest.partition(":")[0][:32])
             return
         self._free(req_id, "done", transfer_id=tid)
 

@@ -54,8 +54,8 @@ class FirstTokenFollower:
             return
         if msg.first_token >= proto.MAX_TOKEN_ID:
             pull.token_given_up = True
-            self._token_log.warn("bad_first_token", f"ignored first token {msg.first_token} of {pull.req_id!r} from "
-                                 f"{pull.addr[0]}:{pull.addr[1]} (not a token id): nothing is released early")
+            self._token_log.warn("bad_first_token", "ignored first token %s of %r from %s:%s (not a token id): nothing "
+                                 "is released early", msg.first_token, pull.req_id, *pull.addr)
             return
         pull.first_token = msg.first_token
         self._tokens_seen += 1

@@ -55,13 +55,14 @@ class RateLimitedLog:
         self._last: dict[str, float] = {}
         self.suppressed = 0
 
-    def warn(self, kind: str, text: str) -> None:
+    def warn(self, kind: str, text: str, *args: object) -> None:
+        """``text % args`` (formatted only when it is logged), as one warning."""
         now = time.monotonic()
         if now - self._last.get(kind, -1e9) < LOG_EVERY_S:
             self.suppressed += 1
             return
         self._last[kind] = now
-        logger.warning("side channel: %s", text[:LOG_CHARS])
+        logger.warning("side channel: %s", (text % args if args else text)[:LOG_CHARS])
 
 
 class SideChannelServer:
@@ -79,7 +80,7 @@ class SideChannelServer:
             self._sock.send_multipart([ident, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone (EHOSTUNREACH) or its queue full (EAGAIN): D will ask again
             self.counters["replies_dropped"] += 1
-            self._log.warn("dropped", f"side-channel reply {what} dropped: {exc}")
+            self._log.warn("dropped", "side-channel reply %s dropped: %s", what, exc)
             return False
         return True
 
@@ -151,7 +152,7 @@ class SideChannelServer:
                     msg = proto.decode(payload, self.config.max_message_bytes)
                 except proto.ProtocolError as exc:
                     self.counters["malformed"] += 1
-                    self._log.warn("malformed", f"rejected a malformed message in a session: {exc}")
+                    self._log.warn("malformed", "rejected a malformed message in a session: %s", exc)
                     self._reply_sealed(ident, sess, proto.Error(v=proto.VERSION, code="malformed",
                                                                 message=str(exc)[:200]))
                     return
@@ -164,7 +165,7 @@ class SideChannelServer:
                 return
             if ident not in self._pending:
                 self.counters[verdict] += 1
-                self._log.warn(verdict, f"dropped a frame with a {'bad MAC' if verdict == 'bad_mac' else 'replayed seq'}")
+                self._log.warn(verdict, "dropped a frame with a %s", "bad MAC" if verdict == "bad_mac" else "replayed seq")
                 return
         pending = self._pending.get(ident)
         if pending is None:

@@ -436,8 +436,8 @@ class TransferSource(SourceAnswers, SideChannelServer):
     def _pump_nixl(self) -> None:
         try:
             notifs = self._nixl.progress()
-        except Exception as exc:
-            logger.warning("NIXL progress failed: %s", exc)
+        except Exception as exc:  # at most one warning per LOG_EVERY_S: this runs every target_progress_s
+            self._log.warn("nixl_progress", "NIXL progress failed: %s", exc)
             return
         for msgs in notifs.values():
             for msg in msgs:

@@ -6,6 +6,7 @@ Real zmq side channel, fake NIXL. An outsider is a raw DEALER socket speaking th
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -309,3 +310,20 @@ def test_missing_short_or_malformed_key_is_a_clear_start_up_error(tmp_path) -> N
         load_side_channel_key(environ={KEY_FILE_ENV: str(tmp_path / "short")})
     with pytest.raises(ValueError, match="key"):
         TransportConfig(key=b"short")
+
+
+def test_a_failing_nixl_progress_is_one_warning_not_one_per_pump(src: TransferSource, caplog, monkeypatch) -> None:
+    """P pumps NIXL every target_progress_s (5 ms) while a request is published: a progress() that keeps failing
+    logged a warning at every pump (about 190 a second)."""
+    def broken() -> dict:
+        raise RuntimeError("agent gone")
+
+    monkeypatch.setattr(src._nixl, "progress", broken)
+    caplog.set_level(logging.WARNING)
+    st = src.alloc("p1", 4096, 0)
+    src.publish("p1")
+    time.sleep(0.5)
+    lines = [r.getMessage() for r in caplog.records if "NIXL progress failed" in r.getMessage()]
+    assert len(lines) == 1 and "agent gone" in lines[0], len(lines)
+    assert src.stats()["logs_suppressed"] > 10
+    del st
