@@ -390,9 +390,20 @@ class LynxConnectorWorker(ReceiveHalf):
         return meta
 
     def shutdown(self) -> None:
-        for rec in list(self._recvs.values()):
-            self._finish_recv(rec, error="worker shutting down")
-        for end in (self.sink, self.source):
-            if end is not None:
-                end.close()
-        self.sink = self.source = None
+        """D: loads waiting for staging tell their P to free (a Done each), and the sink's close drops every pull
+        in flight telling its P the same, in one bounded wait (not one abort round trip per pull); P: its source
+        closes (D's pulls then fail at their deadline). Whatever fails, both ends are closed."""
+        try:
+            if self.sink is not None:
+                for spec, _hooks, _deadline in list(self._recv_waiting.values()):
+                    self._discard(spec)
+        finally:
+            for end in (self.sink, self.source):
+                if end is not None:
+                    try:
+                        end.close()
+                    except Exception:  # the other end must still close
+                        logger.exception("LynxConnector: closing %s failed", type(end).__name__)
+            self.sink = self.source = None
+            self._recvs.clear()
+            self._recv_waiting.clear()

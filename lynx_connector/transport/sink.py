@@ -65,6 +65,12 @@ logger = init_logger(__name__)
 __all__ = ["TransferSink"]
 
 
+#: How long close() waits for the service thread to wind down (and, if it is stuck, for it to stop), seconds.
+CLOSE_TIMEOUT_S = 1.0
+#: How long the peers' sockets may still send at close (the last Dones), milliseconds.
+CLOSE_LINGER_MS = 200
+
+
 class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPulls):
     """D-side endpoint; one per worker process. `pool` is D's registered staging (caller allocates in it)."""
 
@@ -113,6 +119,9 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         self._max_in = max(config.max_message_bytes, proto.MAX_MD + 4096)  # a HelloOk carries P's NIXL metadata
         self._init_first_tokens()  # concurrent flow, speculative: P's first token (transport/first_token.py)
         self._stop = False
+        self._closing = threading.Event()  # close() asked the service thread to wind down
+        self._closed = threading.Event()  # ... and it has (pulls dropped, every Done acknowledged)
+        self._winding_down = False
         self._status = StatusWriter(config.status_path,
                                     lambda: {"sink": self.stats(), **(status_extra() if status_extra else {})})
         self._thread = threading.Thread(target=self._serve, name="lynx-sink", daemon=True)
@@ -251,15 +260,23 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         """(req_id, stream, offset, nbytes) of each posted chunk when `record_posts=True`."""
         return self._sched.stats.post_log
 
-    def close(self) -> None:
-        if self._stop:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop: the service thread first runs the commands queued before (discards, aborts), drops every pull
+        still live and tells each P to free (a Done per pull, and the Dones still owed), and goes on until P
+        acknowledged them all (a handshake first, where no session was up) or ``timeout_s`` passed; then it stops.
+        Bounded by ``timeout_s`` (+ 5 s to join a stuck thread)."""
+        if self._stop or self._closing.is_set():
             return
+        self._closing.set()
+        self._cmds.put(("close", None, None))
+        self._waker.wake()
+        self._closed.wait(timeout_s)
         self._stop = True
         self._waker.wake()
         self._thread.join(timeout=5.0)
         self._sched.close()
         for peer in self._peers.values():
-            self._drop_peer_resources(peer)
+            self._drop_peer_resources(peer, linger_ms=CLOSE_LINGER_MS)
         self._peers.clear()
         self._waker.close()
         self._nixl.close()
@@ -267,7 +284,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
 
     # ---- service thread ----------------------------------------------------------------------
     def _cmd(self, cmd: tuple[Any, ...]) -> None:
-        if self._stop:
+        if self._stop or self._closing.is_set():
             raise RuntimeError("TransferSink is closed")
         self._cmds.put(cmd)
         self._waker.wake()
@@ -286,6 +303,8 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
 
     def _serve_once(self) -> None:
         self._run_commands()
+        if self._winding_down and not len(self._courier):
+            self._closed.set()
         # split anchors known to be coming (regions still being queried) go before every other stream, briefly
         self._sched.hold_until = max(
             (p.t0 + self.config.anchor_holdoff_s for p in self._pulls.values()
@@ -323,6 +342,9 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
             except queue.Empty:
                 return
             kind = cmd[0]
+            if kind == "close":
+                self._close_pulls()
+                return
             if kind == "pull":
                 self._start_pull(cmd[1])
             elif kind == "discard":
@@ -337,6 +359,22 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
                 self._forget(cmd[1])
                 if cmd[2] is not None:
                     cmd[2].set()
+
+    def _close_pulls(self) -> None:
+        """Closing: every pull still live is dropped and its P told to free; the Dones owed are sent once more."""
+        for pull in list(self._pulls.values()):
+            self._sched.cancel(pull.req_id)
+            if not pull.done_sent:
+                self._send_done(pull)
+                pull.done_sent = True
+            self._pulls.pop(pull.req_id, None)
+            self._forget(pull.req_id)
+        for addr, ticket, measure in self._courier.owed():
+            peer = self._peers.get(addr)
+            if peer is not None:
+                peer.send(done_frame(ticket, measure))  # sent once the session is up
+        # the loop goes on (handshakes, resends) until every Done is acknowledged or close() stops waiting
+        self._winding_down = True
 
     def _start_pull(self, pull: PullState) -> None:
         self._pulls[pull.req_id] = pull

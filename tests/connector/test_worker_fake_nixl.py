@@ -694,3 +694,26 @@ def test_layerwise_ready_bytes_are_the_sealed_prefix_of_whole_layers():
                       staged=SimpleNamespace(anchor=staged.anchor.clone(), residual=None), staging_id="t/1")
     bare.seal(0)
     assert bare.ready_bytes() == (sl.anchor.stride, 0)
+
+
+def test_d_shutting_down_tells_p_to_free_the_loads_waiting_for_staging(pair):
+    """D shuts down with a load waiting for room in its staging: its P hears a Done at once (the waiting loads got
+    nothing, so P held their staging until the lease), and a load in flight is dropped the same way."""
+    make, _ = pair
+    (p, _), (d, _) = make("kv_producer"), make("kv_consumer")
+    publish(p, "full", req="p1")
+    publish(p, "full", req="p2")
+    p.poll()
+    d_fill = d.sink.pool.alloc_request("filler", d.sink.pool.nbytes - 4096, 0)  # D's pool is full: p1 waits
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, "full", "d1", "p1")]))
+    assert len(d._recv_waiting) == 1
+    del d_fill
+    live = p.source.stats()["regions_live"]
+    assert live > 0
+    t0 = time.monotonic()
+    d.shutdown()
+    assert time.monotonic() - t0 < 3.0 and d._recv_waiting == {} and d.sink is None
+    end = time.monotonic() + 2.0
+    while p.source.counters["freed_done"] < 1 and time.monotonic() < end:  # p1's Done: not its 30 s lease
+        time.sleep(0.01)
+    assert p.source.counters["freed_done"] == 1

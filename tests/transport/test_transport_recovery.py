@@ -415,3 +415,33 @@ def test_a_late_done_or_lease_frees_only_its_own_transfer(fabric: FakeFabric) ->
         assert src._free("p1", "done", transfer_id=new_tid) is True
     finally:
         src.close()
+
+
+def test_closing_d_tells_p_to_free_what_it_pulled_and_what_it_discarded(fabric: FakeFabric) -> None:
+    """D closes with pulls in flight and a discard just queued: P hears a Done for each at once (close ran neither
+    the queued commands nor told P of live pulls, so P held that staging until its lease), and close is bounded."""
+    cfg = TransportConfig(pool_bytes=1 << 20, chunk_bytes=64 << 10, timeout_s=10.0, lease_s=60.0, retry_s=0.01,
+                          key=TEST_KEY)
+    src = TransferSource(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
+    dnixl = FakeNixlWrapper(fabric, "D")
+    sink = TransferSink(cfg, COMPAT, nixl=dnixl)
+    try:
+        dnixl.hang = True
+        for i in range(4):
+            stage(src, f"p{i}", 8192, 0)
+            loc = sink.pool.alloc_request(f"d{i}", 8192, 0)
+            sink.pull(f"d{i}", *src.address, *src.ticket(f"p{i}"), loc.anchor, None)
+        wait_for(lambda: dnixl.live_handles >= 4)
+        stage(src, "p9", 8192, 0)
+        sink.discard(*src.address, *src.ticket("p9"))
+        t0 = time.monotonic()
+        sink.close()
+        assert time.monotonic() - t0 < 3.0 and dnixl.live_handles == 0
+        wait_for(lambda: src.stats()["regions_live"] == 0, timeout=2.0)  # not at the 60 s lease
+        assert src.counters["freed_done"] == 5
+        with pytest.raises(RuntimeError, match="closed"):
+            sink.discard(*src.address, "a" * 32, "b" * 32)
+        sink.close()  # twice: nothing
+    finally:
+        sink.close()
+        src.close()
