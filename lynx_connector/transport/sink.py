@@ -36,6 +36,7 @@ import zmq
 
 from lynx_connector.logger import init_logger
 from lynx_connector.transport import protocol as proto
+from lynx_connector.transport.closing import SinkClosing
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.events import ANCHOR, TransferEvent
 from lynx_connector.transport.first_token import FirstTokenFollower
@@ -65,13 +66,7 @@ logger = init_logger(__name__)
 __all__ = ["TransferSink"]
 
 
-#: How long close() waits for the service thread to wind down (and, if it is stuck, for it to stop), seconds.
-CLOSE_TIMEOUT_S = 1.0
-#: How long the peers' sockets may still send at close (the last Dones), milliseconds.
-CLOSE_LINGER_MS = 200
-
-
-class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPulls):
+class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPulls, SinkClosing):
     """D-side endpoint; one per worker process. `pool` is D's registered staging (caller allocates in it)."""
 
     def __init__(
@@ -91,41 +86,45 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         self.pool = StagingPool(config.pool_bytes)
         self.name = name or f"lynx-sink-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._nixl = nixl if nixl is not None else NixlWrapper(self.name, config)
-        self._nixl.register(self.pool.buffer)
-        self._ctx = zmq.Context()
-        self._waker = Waker(self._ctx)
-        self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._events: list[TransferEvent] = []
-        self._staged: list[Staged] = []  # watched pulls P has staged, not yet taken by `staged()`
-        self._sched_events: list[TransferEvent] = []  # service-thread only
-        self._ev_lock = threading.Lock()
-        self._ev_cond = threading.Condition(self._ev_lock)  # `wait` wakes on every event, staged or first token
-        self._active: set[str] = set()  # pulled and not yet forgotten (caller-side duplicate check)
-        self._peers: dict[Addr, PeerLink] = {}
-        self._pulls: dict[str, PullState] = {}
-        self._poller = zmq.Poller()
-        self._poller.register(self._waker.receiver, zmq.POLLIN)
-        self._sched = TransferScheduler(self._nixl, config, self._on_event, record_posts=record_posts)
-        self.cpu_s = 0.0
-        self.mac_s = 0.0  # of the service thread: side-channel MACs (proto.mac_seconds)
-        self._resent = 0  # Hello/Query messages sent again for want of an answer
-        self._courier = DoneCourier(config.resend_s, config.lease_s)
-        self._reconnects = 0
-        self._lease_lost = 0  # pulls P answered as gone (KeepAlive) while they were being read
-        self._keepalives = 0
-        self._pipelined = 0  # pulls whose transfer started while P was still publishing layers
-        self._early = 0  # concurrent-flow pulls (started before P may have had the request)
-        self._security = {"bad_mac": 0, "replayed": 0, "sessions_lost": 0, "handshakes": 0, "handshakes_retried": 0}
-        self._max_in = max(config.max_message_bytes, proto.MAX_MD + 4096)  # a HelloOk carries P's NIXL metadata
-        self._init_first_tokens()  # concurrent flow, speculative: P's first token (transport/first_token.py)
-        self._stop = False
-        self._closing = threading.Event()  # close() asked the service thread to wind down
-        self._closed = threading.Event()  # ... and it has (pulls dropped, every Done acknowledged)
-        self._winding_down = False
-        self._status = StatusWriter(config.status_path,
-                                    lambda: {"sink": self.stats(), **(status_extra() if status_extra else {})})
-        self._thread = threading.Thread(target=self._serve, name="lynx-sink", daemon=True)
-        self._thread.start()
+        try:
+            self._nixl.register(self.pool.buffer)
+            self._ctx = zmq.Context()
+            self._waker = Waker(self._ctx)
+            self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+            self._events: list[TransferEvent] = []
+            self._staged: list[Staged] = []  # watched pulls P has staged, not yet taken by `staged()`
+            self._sched_events: list[TransferEvent] = []  # service-thread only
+            self._ev_lock = threading.Lock()
+            self._ev_cond = threading.Condition(self._ev_lock)  # `wait` wakes on every event, staged or first token
+            self._active: set[str] = set()  # pulled and not yet forgotten (caller-side duplicate check)
+            self._peers: dict[Addr, PeerLink] = {}
+            self._pulls: dict[str, PullState] = {}
+            self._poller = zmq.Poller()
+            self._poller.register(self._waker.receiver, zmq.POLLIN)
+            self._sched = TransferScheduler(self._nixl, config, self._on_event, record_posts=record_posts)
+            self.cpu_s = 0.0
+            self.mac_s = 0.0  # of the service thread: side-channel MACs (proto.mac_seconds)
+            self._resent = 0  # Hello/Query messages sent again for want of an answer
+            self._courier = DoneCourier(config.resend_s, config.lease_s)
+            self._reconnects = 0
+            self._lease_lost = 0  # pulls P answered as gone (KeepAlive) while they were being read
+            self._keepalives = 0
+            self._pipelined = 0  # pulls whose transfer started while P was still publishing layers
+            self._early = 0  # concurrent-flow pulls (started before P may have had the request)
+            self._security = {"bad_mac": 0, "replayed": 0, "sessions_lost": 0, "handshakes": 0, "handshakes_retried": 0}
+            self._max_in = max(config.max_message_bytes, proto.MAX_MD + 4096)  # a HelloOk carries P's NIXL metadata
+            self._init_first_tokens()  # concurrent flow, speculative: P's first token (transport/first_token.py)
+            self._stop = False
+            self._closing = threading.Event()  # close() asked the service thread to wind down
+            self._closed = threading.Event()  # ... and it has (pulls dropped, every Done acknowledged)
+            self._winding_down = False
+            self._status = StatusWriter(config.status_path,
+                                        lambda: {"sink": self.stats(), **(status_extra() if status_extra else {})})
+            self._thread = threading.Thread(target=self._serve, name="lynx-sink", daemon=True)
+            self._thread.start()
+        except BaseException:  # nothing this endpoint opened may stay open, bound or registered
+            self._undo_init()
+            raise
 
     # ---- caller API --------------------------------------------------------------------------
     def pull(
@@ -260,28 +259,6 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         """(req_id, stream, offset, nbytes) of each posted chunk when `record_posts=True`."""
         return self._sched.stats.post_log
 
-    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
-        """Stop: the service thread first runs the commands queued before (discards, aborts), drops every pull
-        still live and tells each P to free (a Done per pull, and the Dones still owed), and goes on until P
-        acknowledged them all (a handshake first, where no session was up) or ``timeout_s`` passed; then it stops.
-        Bounded by ``timeout_s`` (+ 5 s to join a stuck thread)."""
-        if self._stop or self._closing.is_set():
-            return
-        self._closing.set()
-        self._cmds.put(("close", None, None))
-        self._waker.wake()
-        self._closed.wait(timeout_s)
-        self._stop = True
-        self._waker.wake()
-        self._thread.join(timeout=5.0)
-        self._sched.close()
-        for peer in self._peers.values():
-            self._drop_peer_resources(peer, linger_ms=CLOSE_LINGER_MS)
-        self._peers.clear()
-        self._waker.close()
-        self._nixl.close()
-        self._ctx.term()
-
     # ---- service thread ----------------------------------------------------------------------
     def _cmd(self, cmd: tuple[Any, ...]) -> None:
         if self._stop or self._closing.is_set():
@@ -359,22 +336,6 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
                 self._forget(cmd[1])
                 if cmd[2] is not None:
                     cmd[2].set()
-
-    def _close_pulls(self) -> None:
-        """Closing: every pull still live is dropped and its P told to free; the Dones owed are sent once more."""
-        for pull in list(self._pulls.values()):
-            self._sched.cancel(pull.req_id)
-            if not pull.done_sent:
-                self._send_done(pull)
-                pull.done_sent = True
-            self._pulls.pop(pull.req_id, None)
-            self._forget(pull.req_id)
-        for addr, ticket, measure in self._courier.owed():
-            peer = self._peers.get(addr)
-            if peer is not None:
-                peer.send(done_frame(ticket, measure))  # sent once the session is up
-        # the loop goes on (handshakes, resends) until every Done is acknowledged or close() stops waiting
-        self._winding_down = True
 
     def _start_pull(self, pull: PullState) -> None:
         self._pulls[pull.req_id] = pull

@@ -87,45 +87,54 @@ class TransferSource(SourceAnswers, SideChannelServer):
         self.pool = StagingPool(config.pool_bytes)
         self.name = name or f"lynx-src-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._nixl = nixl if nixl is not None else NixlWrapper(self.name, config)
-        self._nixl.register(self.pool.buffer)
-        self._md = self._nixl.metadata()  # after registration
-        self._lock = threading.Lock()
-        self._entries: dict[str, _Entry] = {}  # req_id -> entry
-        self._by_tid: dict[str, str] = {}  # transfer_id -> req_id
-        self._rejected: dict[str, tuple[str, str, float, str]] = {}  # transfer_id -> (code, message, forget at, token)
-        self._freed: list[str] = []
-        self._pulled: deque[tuple[float, float, int]] = deque(maxlen=1024)  # take_pulled (auto's link meter)
-        self._abandoned: OrderedDict[str, None] = OrderedDict()  # expected requests D gave up on (take_abandoned)
-        # Freed by D (Done, lease) while the caller still encodes into them (layer-wise): their regions are freed
-        # only when the caller stops writing (publish / abort), never reused under its writes.
-        self._orphans: dict[str, str] = {}  # req_id -> why it was freed ("done": D read nothing more; "lease")
-        self._sessions: OrderedDict[bytes, Session] = OrderedDict()  # zmq identity -> session (service thread)
-        self._pending: OrderedDict[bytes, Pending] = OrderedDict()  # zmq identity -> handshake in progress
-        self._log = RateLimitedLog()
-        self.counters = {"served_queries": 0, "malformed": 0, "freed_done": 0, "freed_lease": 0, "freed_abort": 0,
-                         "rejected": 0, "replies_dropped": 0, "auth_failed": 0, "refused": 0, "bad_mac": 0,
-                         "replayed": 0, "unknown_request": 0, "bad_notif": 0, "sessions": 0, "renewed": 0,
-                         "keepalive_gone": 0, "partial_published": 0}
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
         try:
-            port = self._bind(config)
+            self._nixl.register(self.pool.buffer)
+            self._md = self._nixl.metadata()  # after registration
+            self._lock = threading.Lock()
+            self._entries: dict[str, _Entry] = {}  # req_id -> entry
+            self._by_tid: dict[str, str] = {}  # transfer_id -> req_id
+            self._rejected: dict[str, tuple[str, str, float, str]] = {}  # transfer_id -> (code, message, forget at, token)
+            self._freed: list[str] = []
+            self._pulled: deque[tuple[float, float, int]] = deque(maxlen=1024)  # take_pulled (auto's link meter)
+            self._abandoned: OrderedDict[str, None] = OrderedDict()  # expected requests D gave up on (take_abandoned)
+            # Freed by D (Done, lease) while the caller still encodes into them (layer-wise): their regions are freed
+            # only when the caller stops writing (publish / abort), never reused under its writes.
+            self._orphans: dict[str, str] = {}  # req_id -> why it was freed ("done": D read nothing more; "lease")
+            self._sessions: OrderedDict[bytes, Session] = OrderedDict()  # zmq identity -> session (service thread)
+            self._pending: OrderedDict[bytes, Pending] = OrderedDict()  # zmq identity -> handshake in progress
+            self._log = RateLimitedLog()
+            self.counters = {"served_queries": 0, "malformed": 0, "freed_done": 0, "freed_lease": 0, "freed_abort": 0,
+                             "rejected": 0, "replies_dropped": 0, "auth_failed": 0, "refused": 0, "bad_mac": 0,
+                             "replayed": 0, "unknown_request": 0, "bad_notif": 0, "sessions": 0, "renewed": 0,
+                             "keepalive_gone": 0, "partial_published": 0}
+            self._ctx = zmq.Context()
+            self._sock = self._ctx.socket(zmq.ROUTER)
+            port = self._bind(config)  # a port in use, a bad host: raises (and _undo_init closes what was opened)
             self._waker = Waker(self._ctx)
-        except BaseException:  # a port in use, a bad host: nothing this source opened stays open
-            self._sock.close(linger=0)
-            self._ctx.term()
-            self._nixl.close()  # the source owns its agent from here, a caller's too (as close() does)
+            self._address = (config.host, int(port))
+            self._stop = False
+            self.cpu_s = 0.0
+            self.mac_s = 0.0  # of the service thread: side-channel MACs (proto.mac_seconds)
+            self._status = StatusWriter(config.status_path,
+                                        lambda: {"source": self.stats(), **(status_extra() if status_extra else {})})
+            self._thread = threading.Thread(target=self._serve, name="lynx-source", daemon=True)
+            self._thread.start()
+        except BaseException:  # nothing this endpoint opened may stay open, bound or registered
+            self._undo_init()
             raise
-        self._address = (config.host, int(port))
-        self._stop = False
-        self.cpu_s = 0.0
-        self.mac_s = 0.0  # of the service thread: side-channel MACs (proto.mac_seconds)
-        self._status = StatusWriter(config.status_path,
-                                    lambda: {"source": self.stats(), **(status_extra() if status_extra else {})})
-        self._thread = threading.Thread(target=self._serve, name="lynx-source", daemon=True)
-        self._thread.start()
         logger.info("lynx transfer source %s listening on %s:%s (%s)", self.name, *self._address,
                     "authenticated" if config.key is not None else "INSECURE: no side-channel key")
+
+    def _undo_init(self) -> None:
+        """The constructor failed part-way: close what it opened; the source owns its NIXL agent from the start, a
+        caller's too (as close() does)."""
+        for what in ("_sock", "_waker"):
+            part = getattr(self, what, None)
+            if part is not None:
+                part.close(**({"linger": 0} if what == "_sock" else {}))
+        if getattr(self, "_ctx", None) is not None:
+            self._ctx.term()
+        self._nixl.close()
 
     def _bind(self, config: TransportConfig) -> int:
         self._sock.setsockopt(zmq.LINGER, 0)

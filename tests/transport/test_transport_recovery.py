@@ -445,3 +445,36 @@ def test_closing_d_tells_p_to_free_what_it_pulled_and_what_it_discarded(fabric: 
     finally:
         sink.close()
         src.close()
+
+
+def test_an_endpoint_whose_constructor_fails_late_closes_what_it_opened(fabric: FakeFabric, monkeypatch) -> None:
+    """A failure after the NIXL agent registered its pool (and, on P, after the port was bound): the agent is
+    closed and the port free again (both stayed open: the agent with memory registered, the port bound)."""
+    from lynx_connector.transport import sink as sink_mod
+    from lynx_connector.transport import source as source_mod
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    cfg = TransportConfig(pool_bytes=1 << 16, host="127.0.0.1", key=TEST_KEY)
+    monkeypatch.setattr(source_mod, "StatusWriter", broken)
+    agent = FakeNixlWrapper(fabric, "P0")
+    with pytest.raises(RuntimeError, match="injected"):
+        TransferSource(cfg, COMPAT, nixl=agent)
+    assert agent.closed
+    monkeypatch.setattr(sink_mod, "TransferScheduler", broken)
+    agent = FakeNixlWrapper(fabric, "D0")
+    with pytest.raises(RuntimeError, match="injected"):
+        TransferSink(cfg, COMPAT, nixl=agent)
+    assert agent.closed
+    monkeypatch.undo()
+    with socket.socket() as s:  # a fixed port: bound by the failed source, free again
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fixed = TransportConfig(pool_bytes=1 << 16, host="127.0.0.1", port=port, key=TEST_KEY)
+    monkeypatch.setattr(source_mod, "StatusWriter", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        TransferSource(fixed, COMPAT, nixl=FakeNixlWrapper(fabric, "P1"))
+    monkeypatch.undo()
+    src = TransferSource(fixed, COMPAT, nixl=FakeNixlWrapper(fabric, "P2"))
+    src.close()

@@ -1,0 +1,88 @@
+"""How D's `TransferSink` closes (a part of it): the service thread winds down first, telling each P to free what
+D will no longer read, and a constructor that fails part-way closes what it had opened."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from lynx_connector.transport.link import Addr, DoneCourier, PeerLink, PullState, done_frame
+
+__all__ = ["CLOSE_LINGER_MS", "CLOSE_TIMEOUT_S", "SinkClosing"]
+
+#: How long close() waits for the service thread to wind down (and, if it is stuck, for it to stop), seconds.
+CLOSE_TIMEOUT_S = 1.0
+#: How long the peers' sockets may still send at close (the last Dones), milliseconds.
+CLOSE_LINGER_MS = 200
+
+
+class SinkClosing:
+    """Close and undo-init of `TransferSink` (a mixin: it works on the sink's attributes)."""
+
+    _stop: bool
+    _closing: threading.Event
+    _closed: threading.Event
+    _winding_down: bool
+    _cmds: queue.SimpleQueue[tuple[Any, ...]]
+    _peers: dict[Addr, PeerLink]
+    _pulls: dict[str, PullState]
+    _courier: DoneCourier
+    _sched: Any
+    _nixl: Any
+    _ctx: Any
+    _waker: Any
+    _thread: threading.Thread
+    _send_done: Callable[[PullState], None]
+    _forget: Callable[[str], None]
+    _drop_peer_resources: Callable[..., None]
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop: the service thread first runs the commands queued before (discards, aborts), drops every pull
+        still live and tells each P to free (a Done per pull, and the Dones still owed), and goes on until P
+        acknowledged them all (a handshake first, where no session was up) or ``timeout_s`` passed; then it stops.
+        Bounded by ``timeout_s`` (+ 5 s to join a stuck thread)."""
+        if self._stop or self._closing.is_set():
+            return
+        self._closing.set()
+        self._cmds.put(("close", None, None))
+        self._waker.wake()
+        self._closed.wait(timeout_s)
+        self._stop = True
+        self._waker.wake()
+        self._thread.join(timeout=5.0)
+        self._sched.close()
+        for peer in self._peers.values():
+            self._drop_peer_resources(peer, linger_ms=CLOSE_LINGER_MS)
+        self._peers.clear()
+        self._waker.close()
+        self._nixl.close()
+        self._ctx.term()
+
+    def _close_pulls(self) -> None:
+        """Closing: every pull still live is dropped and its P told to free; the Dones owed are sent once more."""
+        for pull in list(self._pulls.values()):
+            self._sched.cancel(pull.req_id)
+            if not pull.done_sent:
+                self._send_done(pull)
+                pull.done_sent = True
+            self._pulls.pop(pull.req_id, None)
+            self._forget(pull.req_id)
+        for addr, ticket, measure in self._courier.owed():
+            peer = self._peers.get(addr)
+            if peer is not None:
+                peer.send(done_frame(ticket, measure))  # sent once the session is up
+        # the loop goes on (handshakes, resends) until every Done is acknowledged or close() stops waiting
+        self._winding_down = True
+
+    def _undo_init(self) -> None:
+        """The constructor failed part-way: close what it opened; the sink owns its NIXL agent from the start, a
+        caller's too (as close() does)."""
+        if getattr(self, "_sched", None) is not None:
+            self._sched.close()
+        if getattr(self, "_waker", None) is not None:
+            self._waker.close()
+        if getattr(self, "_ctx", None) is not None:
+            self._ctx.term()
+        self._nixl.close()
