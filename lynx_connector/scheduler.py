@@ -43,6 +43,7 @@ from lynx_connector.metadata import (
 )
 from lynx_connector.modes import AUTO_MODE, MODE_NAMES, get_mode, is_requestable
 from lynx_connector.prefix_cache import fence_lossy_blocks
+from lynx_connector.served_mode import ServedMode
 from lynx_connector.signing import (
     PROMPT_KEY,
     ParamsRefused,
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
-class LynxConnectorScheduler:
+class LynxConnectorScheduler(ServedMode):
     def __init__(self, vllm_config: VllmConfig, engine_id: str, config: LynxConfig):
         self.config = config
         self.engine_id = engine_id
@@ -297,45 +298,6 @@ class LynxConnectorScheduler:
             remote_ports=remote.ports, remote_req_id=remote.request_id, remote_engine_id=remote.engine_id,
             mode=remote.mode, transfer_id=remote.transfer_id, token=remote.token))
 
-    def _auto_served(self, request: Request) -> str:
-        """D, auto in the concurrent flow: the mode a Lynx choice of P's is served as (speculative when this D
-        can, else full; the passthrough when D allows no Lynx mode). Until P names its choice the request is
-        treated as this mode: a provisional speculative one is fenced from the prefix cache and pending its
-        residual; P choosing the passthrough lifts the latter (``update_connector_output``)."""
-        allowed = self.config.auto_modes
-        if "speculative" in allowed:
-            return self._decode_mode(request, "speculative")
-        return "full" if "full" in allowed else allowed[0]
-
-    def _decode_mode(self, request: Request, mode: str) -> str:
-        """D's mode for a pull: speculation needs the Lynx scheduler, otherwise the request is served as its
-        mode's fallback (the modes table: full). Structured-output requests are served as the fallback too (held
-        tokens would bypass the grammar), and so are seeded sampled ones: speculation samples from the right
-        distribution, but its draws depend on when the residual lands, so a seed would not give the same text twice."""
-        row = get_mode(mode)
-        if not row.needs_spec_scheduler:
-            return mode
-        fallback = row.fallback
-        assert fallback is not None  # the table gives every speculative mode one (tests/test_modes.py)
-        req_id = request.request_id
-        if request.use_structured_output:
-            logger.debug("Request %s uses structured output: served as '%s' instead of '%s'", req_id, fallback, mode)
-            return fallback
-        if _seeded(request):
-            logger.debug("Request %s samples with a seed: served as '%s' instead of '%s' (reproducible)", req_id,
-                        fallback, mode)
-            return fallback
-        if self.speculation_enabled:
-            return mode
-        if not self._warned_no_spec:
-            self._warned_no_spec = True
-            logger.warning("Request %s asks for lynx_mode %s but this decode instance runs without the "
-                           "Lynx speculative scheduler (--scheduler-cls %s with a custom_class speculative "
-                           "config; the lynx:speculative preset sets both): serving it and the next ones as "
-                           "'%s'", req_id, mode, "lynx_connector.speculative.scheduler.LynxSpecScheduler",
-                           fallback)
-        return fallback
-
     # ---- D: speculative mode ----------------------------------------------------------------------------
     def cancel_residual(self, req_id: str) -> bool:
         """A speculating request is preempted (its blocks are freed in this step): cancel its pull silently.
@@ -481,10 +443,3 @@ def _pulled(request: Request) -> None:
     shallowly), and a sibling must still pull its own KV."""
     request.kv_transfer_params = {**(request.kv_transfer_params or {}), "do_remote_prefill": False}
 
-
-def _seeded(request: Request) -> bool:
-    """The request samples with a seed (``temperature > 0`` and ``seed`` set: vLLM's RANDOM_SEED)."""
-    from vllm.sampling_params import SamplingType
-
-    sp = getattr(request, "sampling_params", None)
-    return sp is not None and sp.sampling_type == SamplingType.RANDOM_SEED
