@@ -126,9 +126,9 @@ class LynxConfig:
     #: docs/OPERATIONS.md), or ``auto`` (P picks passthrough, full or speculative per request: "Auto mode" in
     #: docs/OPERATIONS.md); a request may ask for another one with ``lynx_mode``.
     mode: str = DEFAULT_MODE
-    #: Options for the Lynx codec (grouping: k_group, v_group, k_group_tokens, v_group_tokens, group_tokens); passed
-    #: to ``lynx_connector.codec.get_codec`` and checked at start-up whatever ``mode`` is (a request may ask for a
-    #: Lynx mode).
+    #: Options for the Lynx codec (grouping: k_group, v_group, k_group_tokens, v_group_tokens, group_tokens: at most
+    #: 8192 tokens); passed to ``lynx_connector.codec.get_codec`` and checked at start-up whatever ``mode`` is (a
+    #: request may ask for a Lynx mode).
     codec_options: Mapping[str, Any] = field(default_factory=dict)
     #: Emulated link rate (D paces its pulls on a virtual link clock), Gbit/s; None = unpaced.
     link_gbps: float | None = None

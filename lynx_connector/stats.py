@@ -157,7 +157,8 @@ class LynxStats(KVConnectorStats):
             out["Accepted tokens"] = accepted
             out["Rejected tokens"] = drafted - accepted - dropped
             out["Dropped tokens"] = dropped
-            out["Acceptance rate"] = round(accepted / drafted, 4) if drafted else 0.0
+            verified = drafted - dropped
+            out["Acceptance rate"] = round(accepted / verified, 4) if verified else 0.0
         return out
 
 
@@ -191,9 +192,9 @@ class LynxPromMetrics(KVConnectorPromMetrics):
                                         labelnames=labelnames + ["side", "rank", "state"])
         self._spec = self._counter_cls(name="vllm:lynx_speculative_tokens",
                                        documentation="Tokens decoded on the anchor (drafted), accepted and "
-                                                     "rejected by verification, dropped before it (preempted "
-                                                     "or residual failed); first tokens released on the "
-                                                     "anchor (released_on_anchor).",
+                                                     "rejected by verification, dropped before it (preempted, "
+                                                     "residual failed or request finished); first tokens "
+                                                     "released on the anchor (released_on_anchor).",
                                        labelnames=labelnames + ["outcome"])
         self._stopped = self._counter_cls(name="vllm:lynx_speculation_stops",
                                           documentation="Requests whose decoding on the anchor stopped before the "

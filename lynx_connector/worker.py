@@ -396,7 +396,8 @@ class LynxConnectorWorker(ReceiveHalf):
         try:
             if self.sink is not None:
                 for spec, _hooks, _deadline in list(self._recv_waiting.values()):
-                    self._discard(spec)
+                    if spec.req_id not in self._recvs:  # a watched one is the sink's pull: its close tells P
+                        self._discard(spec)
         finally:
             for end in (self.sink, self.source):
                 if end is not None:

@@ -372,6 +372,7 @@ class LynxSpecScheduler(Scheduler):
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         st = self._spec.pop(request.request_id, None)
         if st is not None:
+            st.drop_unverified()  # finished (aborted, or a stop) before verification reached them
             self._record(st)
         return super()._free_request(request, delay_free_blocks)
 

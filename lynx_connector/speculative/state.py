@@ -48,8 +48,8 @@ class SpecState:
     capped_steps: int = 0
     #: Preempted while speculating: the held tokens were dropped and the request recomputed at full precision.
     preempted: bool = False
-    #: Held tokens dropped before verification reached them (preempted, or the residual failed): neither
-    #: accepted nor rejected.
+    #: Held tokens dropped before verification reached them (preempted, the residual failed, or the request
+    #: finished first): neither accepted nor rejected.
     dropped: int = 0
 
     @property

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from lynx_connector.transport.link import Addr, DoneCourier, PeerLink, PullState, done_frame
+from lynx_connector.transport.link import Addr, DoneCourier, PeerLink, PullState
 
 __all__ = ["CLOSE_LINGER_MS", "CLOSE_TIMEOUT_S", "SinkClosing"]
 
@@ -61,7 +61,9 @@ class SinkClosing:
         self._ctx.term()
 
     def _close_pulls(self) -> None:
-        """Closing: every pull still live is dropped and its P told to free; the Dones owed are sent once more."""
+        """Closing: every pull still live is dropped and its P told to free. The Dones owed (those, and any owed
+        before) are sent as usual, and resent by the courier until acknowledged; not resent here at once: P counts
+        a second Done of a transfer it freed as an unknown request."""
         for pull in list(self._pulls.values()):
             self._sched.cancel(pull.req_id)
             if not pull.done_sent:
@@ -69,10 +71,6 @@ class SinkClosing:
                 pull.done_sent = True
             self._pulls.pop(pull.req_id, None)
             self._forget(pull.req_id)
-        for addr, ticket, measure in self._courier.owed():
-            peer = self._peers.get(addr)
-            if peer is not None:
-                peer.send(done_frame(ticket, measure))  # sent once the session is up
         # the loop goes on (handshakes, resends) until every Done is acknowledged or close() stops waiting
         self._winding_down = True
 

@@ -51,7 +51,8 @@ class Session:
 class RateLimitedLog:
     """Warnings about bad frames: truncated to LOG_CHARS, at most one per LOG_EVERY_S per kind."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = "side channel") -> None:
+        self._prefix = prefix
         self._last: dict[str, float] = {}
         self.suppressed = 0
 
@@ -62,7 +63,7 @@ class RateLimitedLog:
             self.suppressed += 1
             return
         self._last[kind] = now
-        logger.warning("side channel: %s", (text % args if args else text)[:LOG_CHARS])
+        logger.warning("%s: %s", self._prefix, (text % args if args else text)[:LOG_CHARS])
 
 
 class SideChannelServer:

@@ -316,10 +316,6 @@ class DoneCourier:
     def owed_to(self, addr: Addr) -> bool:
         return any(a == addr for a, _ in self._owed)
 
-    def owed(self) -> list[tuple[Addr, tuple[str, str], Measure]]:
-        """Every Done still owed, as ``due`` gives them (for a last send when D closes)."""
-        return [(key[0], (key[1], self._tokens[key][0]), self._tokens[key][1]) for key in self._owed]
-
     def forget(self, addr: Addr) -> None:
         """Drop every Done owed to ``addr`` (an address D cannot even connect to: none could ever be sent)."""
         for key in [k for k in self._owed if k[0] == addr]:

@@ -322,6 +322,10 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
             if kind == "close":
                 self._close_pulls()
                 return
+            if self._winding_down and kind == "pull":  # queued in the instant close() began: P is told to free
+                self._owe_done(cmd[1].addr, (cmd[1].transfer_id, cmd[1].token), connect=True)
+                self._forget(cmd[1].req_id)
+                continue
             if kind == "pull":
                 self._start_pull(cmd[1])
             elif kind == "discard":

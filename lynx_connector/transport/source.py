@@ -103,6 +103,7 @@ class TransferSource(SourceAnswers, SideChannelServer):
             self._sessions: OrderedDict[bytes, Session] = OrderedDict()  # zmq identity -> session (service thread)
             self._pending: OrderedDict[bytes, Pending] = OrderedDict()  # zmq identity -> handshake in progress
             self._log = RateLimitedLog()
+            self._nixl_log = RateLimitedLog("lynx source")  # not counted with the side channel's
             self.counters = {"served_queries": 0, "malformed": 0, "freed_done": 0, "freed_lease": 0, "freed_abort": 0,
                              "rejected": 0, "replies_dropped": 0, "auth_failed": 0, "refused": 0, "bad_mac": 0,
                              "replayed": 0, "unknown_request": 0, "bad_notif": 0, "sessions": 0, "renewed": 0,
@@ -446,7 +447,7 @@ class TransferSource(SourceAnswers, SideChannelServer):
         try:
             notifs = self._nixl.progress()
         except Exception as exc:  # at most one warning per LOG_EVERY_S: this runs every target_progress_s
-            self._log.warn("nixl_progress", "NIXL progress failed: %s", exc)
+            self._nixl_log.warn("nixl_progress", "NIXL progress failed: %s", exc)
             return
         for msgs in notifs.values():
             for msg in msgs:

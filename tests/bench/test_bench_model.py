@@ -194,7 +194,7 @@ def test_bytes_come_from_the_codec_registry(tmp_path: Path) -> None:
 
 
 def test_the_real_result_files_parse() -> None:
-    c, rec = model_inputs.read_constants(Path(__file__).resolve().parents[2] / model_inputs.RESULTS)
+    c, rec = model_inputs.read_constants(model_inputs.RESULTS)
     assert 0 < c.transport_ratio <= 1 and 0 < c.anchor_share <= 1 and 0 <= c.acceptance.acceptance <= 1
     assert rec["transfer"]["rates_used_gbps"] and rec["acceptance"]["files"]
 
@@ -238,10 +238,11 @@ def test_cli_missing_inputs_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_from_an_installed_wheel_results_are_the_working_directory_s_and_git_is_not_asked(tmp_path) -> None:
     """Installed, the package's parents are site-packages: the default results folder was site-packages/benchmarks
-    (read nothing, --out wrote there) and git described whatever repository holds site-packages."""
+    (read nothing, --out wrote there) and git described whatever repository holds site-packages. From a checkout
+    it is the checkout's."""
     from lynx_connector.lab.bench import common
 
-    assert not model_inputs.RESULTS.is_absolute()
+    assert model_inputs.RESULTS == Path(__file__).resolve().parents[2] / "benchmarks" / "results"  # a checkout
     assert common.git_revision(None) == {"commit": None, "dirty": None}
     site = tmp_path / "lib" / "python3.11" / "site-packages"
     (site / "lynx_connector" / "lab" / "bench").mkdir(parents=True)

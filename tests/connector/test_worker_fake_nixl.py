@@ -698,7 +698,7 @@ def test_layerwise_ready_bytes_are_the_sealed_prefix_of_whole_layers():
 
 def test_d_shutting_down_tells_p_to_free_the_loads_waiting_for_staging(pair):
     """D shuts down with a load waiting for room in its staging: its P hears a Done at once (the waiting loads got
-    nothing, so P held their staging until the lease), and a load in flight is dropped the same way."""
+    nothing, so P held their staging until the lease); loads in flight: tests/transport (the sink's close)."""
     make, _ = pair
     (p, _), (d, _) = make("kv_producer"), make("kv_consumer")
     publish(p, "full", req="p1")

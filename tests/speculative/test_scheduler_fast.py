@@ -375,7 +375,8 @@ def test_speculation_summary_only_when_asked_for(drive):
 
 def test_a_capped_request_keeps_its_place_in_the_running_order(drive):
     """A request hidden while it waits for its residual goes back where it was in ``running``, not to the back:
-    vLLM preempts from the back (FCFS), which must take the newer request, not the older one waiting to verify."""
+    vLLM's FCFS policy preempts ``running[-1]``, which must be the newer request, not the older one waiting to
+    verify."""
     d = drive(cap=2)
     d.add("a", 40, ANCHOR, FULL, max_tokens=12)
     d.step()

@@ -439,6 +439,8 @@ def test_closing_d_tells_p_to_free_what_it_pulled_and_what_it_discarded(fabric: 
         assert time.monotonic() - t0 < 3.0 and dnixl.live_handles == 0
         wait_for(lambda: src.stats()["regions_live"] == 0, timeout=2.0)  # not at the 60 s lease
         assert src.counters["freed_done"] == 5
+        time.sleep(0.2)
+        assert src.counters["unknown_request"] == 0  # one Done per transfer: a second would count as unknown
         with pytest.raises(RuntimeError, match="closed"):
             sink.discard(*src.address, "a" * 32, "b" * 32)
         sink.close()  # twice: nothing

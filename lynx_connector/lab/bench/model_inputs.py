@@ -21,6 +21,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from lynx_connector.lab.bench.common import REPO_ROOT
 from lynx_connector.lab.bench.ttft_model import (
     Acceptance,
     Assumptions,
@@ -31,9 +32,9 @@ from lynx_connector.lab.bench.ttft_model import (
 )
 from lynx_connector.modes import TransferMode
 
-#: The benchmarks' results folder of the checkout it runs in (relative to the working directory, so an installed
-#: wheel neither reads nor writes inside site-packages).
-RESULTS = Path("benchmarks") / "results"
+#: The benchmarks' results folder: the checkout's, or, from an installed wheel (no checkout: it must neither read
+#: nor write inside site-packages), the working directory's.
+RESULTS = (REPO_ROOT or Path()) / "benchmarks" / "results"
 ACCEPTANCE_FILES = ("e2e_gate.json", "e2e.json")
 
 
