@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,7 @@ class SinkClosing:
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Stop: the service thread first runs the commands queued before (discards, aborts), drops every pull
-        still live and tells each P to free (a Done per pull, and the Dones still owed), and goes on until P
+        still live and tells each P to free (a Done per pull; the Dones still owed are resent), and goes on until P
         acknowledged them all (a handshake first, where no session was up) or ``timeout_s`` passed; then it stops.
         Bounded by ``timeout_s`` (+ 5 s to join a stuck thread)."""
         if self._stop or self._closing.is_set():
@@ -61,9 +62,10 @@ class SinkClosing:
         self._ctx.term()
 
     def _close_pulls(self) -> None:
-        """Closing: every pull still live is dropped and its P told to free. The Dones owed (those, and any owed
-        before) are sent as usual, and resent by the courier until acknowledged; not resent here at once: P counts
-        a second Done of a transfer it freed as an unknown request."""
+        """Closing: every pull still live is dropped and its P told to free (a Done each, resent by the courier until
+        acknowledged). The Dones owed from before whose back-off would outlast the close are due again at once; not
+        those sent lately (P counts a second Done of a transfer it freed as an unknown request)."""
+        self._courier.hurry(time.monotonic())
         for pull in list(self._pulls.values()):
             self._sched.cancel(pull.req_id)
             if not pull.done_sent:

@@ -316,6 +316,13 @@ class DoneCourier:
     def owed_to(self, addr: Addr) -> bool:
         return any(a == addr for a, _ in self._owed)
 
+    def hurry(self, now: float) -> None:
+        """The Dones owed whose back-off put their next send past one resend interval are due at once (D is
+        closing: no time to wait it out); those sent lately are resent on their own schedule, if unanswered."""
+        for st in self._owed.values():
+            if st[0] > now + self._resend_s:
+                st[0], st[1] = now, self._resend_s
+
     def forget(self, addr: Addr) -> None:
         """Drop every Done owed to ``addr`` (an address D cannot even connect to: none could ever be sent)."""
         for key in [k for k in self._owed if k[0] == addr]:

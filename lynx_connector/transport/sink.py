@@ -319,9 +319,9 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
             except queue.Empty:
                 return
             kind = cmd[0]
-            if kind == "close":
+            if kind == "close":  # what is queued behind it runs too (a pull then becomes a Done)
                 self._close_pulls()
-                return
+                continue
             if self._winding_down and kind == "pull":  # queued in the instant close() began: P is told to free
                 self._owe_done(cmd[1].addr, (cmd[1].transfer_id, cmd[1].token), connect=True)
                 self._forget(cmd[1].req_id)

@@ -480,3 +480,50 @@ def test_an_endpoint_whose_constructor_fails_late_closes_what_it_opened(fabric: 
     monkeypatch.undo()
     src = TransferSource(fixed, COMPAT, nixl=FakeNixlWrapper(fabric, "P2"))
     src.close()
+
+
+def test_a_pull_queued_behind_close_is_told_to_p_as_a_done(fabric: FakeFabric) -> None:
+    """A pull that passed the closed-check in the instant close() began is queued behind its command: it is not
+    started, and its P is told to free (it was left in the queue, and P held that staging until its lease)."""
+    from lynx_connector.transport.link import PullState
+
+    cfg = TransportConfig(pool_bytes=1 << 20, timeout_s=10.0, lease_s=60.0, retry_s=0.01, key=TEST_KEY)
+    src = TransferSource(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
+    sink = TransferSink(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "D"))
+    try:
+        stage(src, "p9", 8192, 0)
+        now = time.monotonic()
+        late = ("pull", PullState("d9", tuple(src.address), *src.ticket("p9"), (0, 8192), None, now, now + 10))
+        real = sink._cmds
+
+        class Behind:  # the late pull lands right behind close's command
+            def put(self, cmd) -> None:
+                real.put(cmd)
+                if cmd[0] == "close":
+                    real.put(late)
+
+            def get_nowait(self):
+                return real.get_nowait()
+
+        sink._active.add("d9")
+        sink._cmds = Behind()
+        sink.close()
+        wait_for(lambda: src.counters["freed_done"] == 1, timeout=2.0)
+        assert src.stats()["regions_live"] == 0 and real.empty() and "d9" not in sink._active
+    finally:
+        sink.close()
+        src.close()
+
+
+def test_closing_hurries_only_the_dones_whose_back_off_would_outlast_it() -> None:
+    """DoneCourier.hurry: a Done resent with back-off (next send seconds away) is due at once; one sent lately
+    keeps its schedule (a resend would reach P as an unknown request if the first one arrived)."""
+    from lynx_connector.transport.link import DoneCourier
+
+    c = DoneCourier(resend_s=0.5, give_up_s=60.0)
+    c.owe(("h", 1), ("a" * 32, "t"), now=0.0)
+    assert [d[1][0] for d in c.due(0.5)] == ["a" * 32]  # resent; next in 1.0 s (at 1.5)
+    c.owe(("h", 1), ("b" * 32, "t"), now=0.6)  # sent lately: next at 1.1
+    c.hurry(0.6)
+    assert [d[1][0] for d in c.due(0.6)] == ["a" * 32]
+    assert [d[1][0] for d in c.due(1.1)] == ["b" * 32]
