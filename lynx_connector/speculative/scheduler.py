@@ -276,6 +276,9 @@ class LynxSpecScheduler(Scheduler):
         self._record(st)
 
     def _record(self, st: SpecState) -> None:
+        """A request's speculation is over (verified, preempted, its residual failed, or it finished): held tokens
+        verification never reached are counted as dropped (none when it completed), then recorded."""
+        st.drop_unverified()
         if self.log_stats:  # --disable-log-stats: make_stats never takes them, so none are kept
             self._stats.record_speculation(st.speculated, st.accepted, st.committed, st.stopped, st.dropped)
         req = self.requests.get(st.req_id)
@@ -312,7 +315,6 @@ class LynxSpecScheduler(Scheduler):
         if req is None or req.is_finished():
             return
         if st is not None:
-            st.drop_unverified()
             self._record(st)
         if not self.recompute_kv_load_failures:
             logger.error("Request %s: residual failed after decoding on its anchor; failing it "
@@ -361,10 +363,9 @@ class LynxSpecScheduler(Scheduler):
             # the worker could write into the blocks freed here.
             self._drop_held(request, st)
             st.preempted = True
-            dropped = st.drop_unverified()
             self._record(st)
             logger.info("Request %s preempted while speculating (%s held tokens dropped)", request.request_id,
-                        dropped)
+                        st.dropped)
         if self._lynx is not None:
             self._lynx.cancel_residual(request.request_id)
         super()._preempt_request(request, timestamp, drop_stale_output)
@@ -372,7 +373,6 @@ class LynxSpecScheduler(Scheduler):
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         st = self._spec.pop(request.request_id, None)
         if st is not None:
-            st.drop_unverified()  # finished (aborted, or a stop) before verification reached them
             self._record(st)
         return super()._free_request(request, delay_free_blocks)
 

@@ -35,8 +35,7 @@ class SinkClosing:
     _ctx: Any
     _waker: Any
     _thread: threading.Thread
-    _send_done: Callable[[PullState], None]
-    _forget: Callable[[str], None]
+    _finish: Callable[[PullState], None]
     _drop_peer_resources: Callable[..., None]
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
@@ -68,11 +67,7 @@ class SinkClosing:
         self._courier.hurry(time.monotonic())
         for pull in list(self._pulls.values()):
             self._sched.cancel(pull.req_id)
-            if not pull.done_sent:
-                self._send_done(pull)
-                pull.done_sent = True
-            self._pulls.pop(pull.req_id, None)
-            self._forget(pull.req_id)
+            self._finish(pull)
         # the loop goes on (handshakes, resends) until every Done is acknowledged or close() stops waiting
         self._winding_down = True
 

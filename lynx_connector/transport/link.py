@@ -27,7 +27,7 @@ from lynx_connector.transport.events import ANCHOR, RESIDUAL
 logger = init_logger(__name__)
 
 __all__ = ["Addr", "DoneCourier", "Measure", "NO_MEASURE", "PeerLink", "PullState", "Staged", "check_peer_addr",
-           "done_frame"]
+           "check_ticket", "done_frame"]
 
 Addr = tuple[str, int]
 #: A host zmq can connect to: a DNS name or IPv4 address (dot-separated labels of letters, digits and inner
@@ -43,6 +43,15 @@ def check_peer_addr(host: object, port: object) -> None:
     if (not isinstance(host, str) or not _HOST.fullmatch(host) or isinstance(port, bool) or not isinstance(port, int)
             or not 0 < port < 65536):
         raise ValueError(f"bad peer address {host!r}:{port!r}")
+
+
+def check_ticket(host: object, port: object, transfer_id: object, token: object) -> None:
+    """Refuse (ValueError) what a pull or a discard names that could never reach P: its ticket (transfer id and
+    token) and P's address."""
+    for what, val in (("transfer_id", transfer_id), ("token", token)):
+        if not proto.is_hex_id(val):
+            raise ValueError(f"{what} must be {proto.HEX_ID_LEN} lower-case hex characters")
+    check_peer_addr(host, port)
 #: What a Done tells P of the link (protocol v4): (seconds of link time D's reads took, bytes they read).
 Measure = tuple[float, int]
 NO_MEASURE: Measure = (0.0, 0)

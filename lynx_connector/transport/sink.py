@@ -48,7 +48,7 @@ from lynx_connector.transport.link import (
     PeerLink,
     PullState,
     Staged,
-    check_peer_addr,
+    check_ticket,
     done_frame,
 )
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
@@ -165,10 +165,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
             raise ValueError(f"order must be one of {', '.join(PULL_ORDERS)}, got {order!r}")
         if not isinstance(req_id, str) or not 0 < len(req_id) <= proto.MAX_ID:
             raise ValueError(f"req_id must be a non-empty str of at most {proto.MAX_ID} chars")
-        for what, val in (("transfer_id", transfer_id), ("token", token)):
-            if not proto.is_hex_id(val):
-                raise ValueError(f"{what} must be {proto.HEX_ID_LEN} lower-case hex characters")
-        check_peer_addr(host, port)
+        check_ticket(host, port, transfer_id, token)
         if wait_s is not None and not wait_s > 0:
             raise ValueError(f"wait_s must be > 0, got {wait_s!r}")
         with self._ev_lock:
@@ -219,10 +216,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
     def discard(self, host: str, port: int, transfer_id: str, token: str) -> None:
         """Tell P to free a transfer this D will never pull (its request ended, or found no staging room, before
         its pull started): a Done, owed until P acknowledges it like every other."""
-        for what, val in (("transfer_id", transfer_id), ("token", token)):
-            if not proto.is_hex_id(val):
-                raise ValueError(f"{what} must be {proto.HEX_ID_LEN} lower-case hex characters")
-        check_peer_addr(host, port)
+        check_ticket(host, port, transfer_id, token)
         self._cmd(("discard", (host, port), (transfer_id, token)))
 
     def abort(self, req_id: str) -> None:

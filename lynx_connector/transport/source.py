@@ -129,10 +129,10 @@ class TransferSource(SourceAnswers, SideChannelServer):
     def _undo_init(self) -> None:
         """The constructor failed part-way: close what it opened; the source owns its NIXL agent from the start, a
         caller's too (as close() does)."""
-        for what in ("_sock", "_waker"):
-            part = getattr(self, what, None)
-            if part is not None:
-                part.close(**({"linger": 0} if what == "_sock" else {}))
+        if getattr(self, "_sock", None) is not None:
+            self._sock.close(linger=0)
+        if getattr(self, "_waker", None) is not None:
+            self._waker.close()
         if getattr(self, "_ctx", None) is not None:
             self._ctx.term()
         self._nixl.close()

@@ -302,10 +302,9 @@ def test_a_connect_that_zmq_still_refuses_fails_that_pull_only(pair, monkeypatch
     """Should zmq refuse an address the check let through, the pull fails at once naming the peer, nothing stays
     open or registered, no Done is owed, and the sink goes on serving (and closes)."""
     from lynx_connector.transport import link
-    from lynx_connector.transport import sink as sink_mod
 
     src, sink = pair
-    monkeypatch.setattr(sink_mod, "check_peer_addr", lambda host, port: None)
+    monkeypatch.setattr(link, "check_peer_addr", lambda host, port: None)
     loc = sink.pool.alloc_request("d1", 4096, 0)
     sink.pull("d1", ".", 5555, "a" * 32, "b" * 32, loc.anchor, None)
     (ev,) = collect(sink, 1)
