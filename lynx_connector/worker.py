@@ -392,7 +392,7 @@ class LynxConnectorWorker(ReceiveHalf):
     def shutdown(self) -> None:
         """D: loads waiting for staging tell their P to free (a Done each), and the sink's close drops every pull
         in flight telling its P the same, in one bounded wait (not one abort round trip per pull); P: its source
-        closes (D's pulls then fail at their deadline). Whatever fails, both ends are closed."""
+        closes, telling each D it is shutting down (D's pulls from it fail at once). Whatever fails, both ends are closed."""
         try:
             if self.sink is not None:
                 for spec, _hooks, _deadline in list(self._recv_waiting.values()):

@@ -93,6 +93,22 @@ class SideChannelServer:
         return self._send(ident, proto.seal(sess.skey, proto.P_TO_D, sess.send_seq, proto.encode(msg)),
                           type(msg).__name__)
 
+    def _say_goodbye(self) -> int:
+        """P is closing (service thread, after its last pass): an unasked, sealed ``Error("closing")`` to every
+        session, so each D fails its pulls from this P at once instead of at their deadline, and forgets the
+        Dones it owes (docs/PROTOCOL.md section 9). Sessions whose D is gone are skipped without a warning.
+        Returns how many were handed to zmq (``close`` lingers briefly so they leave)."""
+        msg = proto.encode(proto.Error(v=proto.VERSION, code=proto.CLOSING, message="the prefill instance is shutting down"))
+        told = 0
+        for ident, sess in list(self._sessions.items()):
+            sess.send_seq += 1
+            try:
+                self._sock.send_multipart([ident, proto.seal(sess.skey, proto.P_TO_D, sess.send_seq, msg)], zmq.NOBLOCK)
+            except zmq.ZMQError:  # that D is gone (ROUTER_MANDATORY) or not reading: nothing to tell it
+                continue
+            told += 1
+        return told
+
     def _refuse(self, ident: bytes, counter: str, kind: str, why: str) -> None:
         """The one answer for anyone without a session or a failed handshake: Error("refused"), nothing else."""
         self.counters[counter] += 1

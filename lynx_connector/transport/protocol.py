@@ -15,6 +15,9 @@ Nothing is ever unpickled. One message per zmq frame (DEALER sends [payload]; RO
                                     (link_s, link_bytes: the link time D's reads of the transfer took and the
                                      bytes they read: v4, P's measured link for auto)
   D -> P  KeepAlive([(transfer_id, token)...]) (sealed)    P -> D  Alive(gone)                    (sealed)
+                                                           P -> D  Error("closing")               (sealed)
+                                    (unasked, to every session when P shuts down: D fails its pulls from P
+                                     at once instead of at their deadline, and owes P no Done; section 9)
 
 Hello, Challenge and any Error to a peer without a session are plain msgpack. Every other frame is *sealed*
 (`seal`/`Opener`): ``0xC1 | payload | seq (u64, big endian) | HMAC(S, direction | seq | payload)[:16]`` with
@@ -39,7 +42,7 @@ __all__ = [
     "VERSION", "ProtocolError", "Hello", "Challenge", "Auth", "HelloOk", "Query", "Regions", "NotReady", "Done",
     "Ack", "Error", "KeepAlive", "Alive", "Message", "encode", "decode", "compat_hash", "compat_diff", "proof_p", "proof_d",
     "session_key", "seal", "Opener", "SEALED", "MAX_KEEPALIVE", "MAX_TOKEN_ID", "P_TO_D", "D_TO_P", "HEX_ID_LEN", "is_hex_id",
-    "is_mode_name",
+    "is_mode_name", "CLOSING",
 ]
 
 VERSION = 4  # v3: Regions names the transfer mode (auto in the concurrent flow); v4: Done carries link_s (PROTOCOL.md 7, 8)
@@ -54,6 +57,9 @@ ModeName = Annotated[str, msgspec.Meta(max_length=32, pattern="^[a-z0-9_]*$")]
 Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 Mac32 = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 Ver = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+#: The code of the Error P sends, unasked and sealed, to every session when it shuts down (docs/PROTOCOL.md
+#: section 9). An Error with no transfer id already ended a v4 peer's session, so it needs no new version.
+CLOSING = "closing"
 MAX_KEEPALIVE = 256  # tickets per KeepAlive frame (about 70 bytes each: far below the 64 KiB frame cap)
 CompatValue = str | int | float | bool | None
 Compat = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], CompatValue], msgspec.Meta(max_length=64)]

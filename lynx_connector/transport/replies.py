@@ -38,6 +38,7 @@ class ReplyHandlers:
     _ev_cond: Any
     _courier: Any
     _staged: list[Staged]
+    _peers_closed: int
 
     def _on_plain(self, peer: PeerLink, msg: proto.Message) -> None:
         """Frames outside a session: P's Challenge, or its Error to a peer without a (valid) session."""
@@ -80,6 +81,8 @@ class ReplyHandlers:
                 self._on_hello(peer, msg)
             else:  # the answer to a handshake sent again (re-sent or reconnected) after the first was answered
                 logger.debug("side channel from %s: HelloOk after the handshake, ignored", peer.name)
+        elif isinstance(msg, proto.Error) and not msg.transfer_id and msg.code == proto.CLOSING:
+            self._on_closing(peer)
         elif isinstance(msg, proto.Error) and not msg.transfer_id:
             self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]} error ({msg.code}): {msg.message[:200]}")
         elif isinstance(msg, (proto.Regions, proto.NotReady, proto.Error)):
@@ -102,6 +105,26 @@ class ReplyHandlers:
                            f"{pull.req_id!r} while it is being pulled (its lease ran out or it was freed)")
         else:
             logger.warning("side channel from %s:%s: unexpected %s", *peer.addr, type(msg).__name__)
+
+    def _on_closing(self, peer: PeerLink) -> None:
+        """P is shutting down (its sealed ``Error("closing")``, docs/PROTOCOL.md section 9): its staging goes with
+        it, so every pull still reading from it fails now, not at its deadline, no Done is owed to it (none could
+        be acknowledged), and the next pull from its address handshakes afresh. Pulls read whole are kept."""
+        if self._peers.get(peer.addr) is not peer:
+            return
+        self._peers_closed += 1
+        failing = [p for p in self._pulls_of(peer) if p.pending]
+        logger.info("lynx sink: prefill instance %s is shutting down: %d pull(s) from it fail now", peer.name,
+                    len(failing))
+        for pull in self._pulls_of(peer):
+            pull.done_sent = True
+            if pull.pending:
+                self._fail(pull, f"prefill instance {peer.name} shut down while transfer {pull.transfer_id[:8]}… "
+                           f"of {pull.req_id!r} was pulled from it")
+        self._courier.forget(peer.addr)
+        peer.state = "failed"
+        del self._peers[peer.addr]
+        self._drop_peer_resources(peer)
 
     def _on_hello(self, peer: PeerLink, msg: proto.HelloOk) -> None:
         if msg.compat_hash != self.compat_hash:

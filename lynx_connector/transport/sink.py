@@ -108,6 +108,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
             self._courier = DoneCourier(config.resend_s, config.lease_s)
             self._reconnects = 0
             self._lease_lost = 0  # pulls P answered as gone (KeepAlive) while they were being read
+            self._peers_closed = 0  # P peers that said they were shutting down (Error "closing")
             self._keepalives = 0
             self._pipelined = 0  # pulls whose transfer started while P was still publishing layers
             self._early = 0  # concurrent-flow pulls (started before P may have had the request)
@@ -235,6 +236,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
             "dones_owed": len(self._courier),
             "reconnects": self._reconnects,
             "lease_lost": self._lease_lost,
+            "peer_closed": self._peers_closed,
             "keepalives": self._keepalives,
             "pipelined_pulls": self._pipelined,
             "early_pulls": self._early,

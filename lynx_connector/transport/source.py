@@ -49,6 +49,7 @@ logger = init_logger(__name__)
 __all__ = ["TransferSource"]
 
 IDLE_POLL_MS = 500
+GOODBYE_LINGER_MS = 200  # how long close() lets P's Error("closing") frames leave (docs/PROTOCOL.md section 9)
 MAX_REJECTED = 4096  # rejections remembered (each for lease_s) so D hears why, not "unknown request"
 
 
@@ -114,6 +115,7 @@ class TransferSource(SourceAnswers, SideChannelServer):
             self._waker = Waker(self._ctx)
             self._address = (config.host, int(port))
             self._stop = False
+            self._told_closing = 0  # sessions told P is closing (the service thread's last act)
             self.cpu_s = 0.0
             self.mac_s = 0.0  # of the service thread: side-channel MACs (proto.mac_seconds)
             self._status = StatusWriter(config.status_path,
@@ -357,7 +359,10 @@ class TransferSource(SourceAnswers, SideChannelServer):
         self._stop = True
         self._waker.wake()
         self._thread.join(timeout=5.0)
-        self._sock.close(linger=0)
+        # the goodbyes of the service thread's last pass leave within GOODBYE_LINGER_MS, or not at all
+        self._sock.close(linger=GOODBYE_LINGER_MS if self._told_closing else 0)
+        if self._told_closing:
+            logger.info("lynx source %s: told %d decode session(s) it is shutting down", self.name, self._told_closing)
         self._waker.close()
         self._nixl.close()
         self._ctx.term()
@@ -415,6 +420,10 @@ class TransferSource(SourceAnswers, SideChannelServer):
             self.cpu_s = time.thread_time() - t_cpu
             self.mac_s = proto.mac_seconds()
             self._status.maybe_write()
+        try:
+            self._told_closing = self._say_goodbye()
+        except Exception:  # closing goes on: D's pulls then fail at their deadline
+            logger.exception("lynx source: telling the decode instances it is closing failed")
 
     def _has_published(self) -> bool:
         with self._lock:

@@ -260,3 +260,31 @@ def test_full_request_behind_speculative_anchors_finishes_earlier_than_under_anc
     assert t_new < 0.6 * t_old, (t_new, t_old)
     assert new["nf", "residual"].seconds < min(new[f"ns{i}", "residual"].seconds for i in (1, 2))
     assert old["of", "residual"].seconds > max(old[f"os{i}", "residual"].seconds for i in (1, 2))
+
+
+def test_a_p_process_that_shuts_down_fails_d_waiting_pull_at_once() -> None:
+    """A real P process (real NIXL) shuts down while D waits on a request it staged but never published: D's
+    pull fails within seconds, naming the shutdown, not at its 30 s deadline; D owes that P nothing."""
+    proc, conn, addr = start_source_process(TransportConfig(pool_bytes=16 * MB, lease_s=60.0, key=TEST_KEY), COMPAT)
+    sink = TransferSink(TransportConfig(pool_bytes=16 * MB, timeout_s=30.0, key=TEST_KEY), COMPAT)
+    try:
+        call(conn, "stage", [("w1", 4096, 8192, 61)], False)  # not published: D's queries get NotReady
+        v = sink.pool.alloc_request("w1", 4096, 8192)
+        sink.pull("w1", *addr, *ticket(conn, "w1"), v.anchor, v.residual)
+        end = time.monotonic() + 20
+        while sink.stats()["handshakes"] < 1:
+            assert time.monotonic() < end, "no session with P"
+            time.sleep(0.01)
+        assert sink.poll() == []
+        call(conn, "stop")
+        evs = wait_events(sink, 2, 10)  # fails past 10 s: the old way was the pull's 30 s deadline
+        assert all(not e.ok and "shut down" in e.error for _, e in evs), [e.error for _, e in evs]
+        st = sink.stats()
+        assert (st["peer_closed"], st["dones_owed"], st["pulls_live"]) == (1, 0, 0), st
+        sink.pool.free_request("w1")
+        assert sink.pool.regions_live == 0
+    finally:
+        sink.close()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()

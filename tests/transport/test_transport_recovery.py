@@ -527,3 +527,56 @@ def test_closing_hurries_only_the_dones_whose_back_off_would_outlast_it() -> Non
     c.hurry(0.6)
     assert [d[1][0] for d in c.due(0.6)] == ["a" * 32]
     assert [d[1][0] for d in c.due(1.1)] == ["b" * 32]
+
+
+def test_a_closing_p_fails_d_pulls_from_it_at_once_and_nothing_is_owed(fabric: FakeFabric) -> None:
+    """P shuts down while D waits on two pulls from it (one P never staged, one it is still writing): P's sealed
+    Error("closing") fails both at once, not at their 30 s deadline. D owes P no Done and drops the peer; a pull
+    read whole before is untouched. A new P on the same port then serves D as before."""
+    cfg = TransportConfig(**CFG, timeout_s=30.0)
+    src = TransferSource(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "P1"))
+    sink = TransferSink(TransportConfig(**CFG, timeout_s=30.0, resend_s=0.2), COMPAT,
+                        nixl=FakeNixlWrapper(fabric, "D"))
+    try:
+        stage(src, "whole", 3000, 2000)
+        pull(sink, src, "whole")
+        assert all(e.ok for e in collect(sink, 2))
+        wait_for(lambda: sink.stats()["dones_owed"] == 0)
+        pull(sink, src, "never")  # P expects it but never stages it
+        stage(src, "writing", 3000, 2000, publish=False)  # staged, not published: NotReady
+        pull(sink, src, "writing")
+        time.sleep(0.3)
+        assert sink.poll() == []
+        port = src.address[1]
+        src.close()
+        evs = collect(sink, 4, timeout=5.0)
+        assert sorted(e.req_id for e in evs) == ["never", "never", "writing", "writing"]
+        assert all(not e.ok and "shut down" in e.error for e in evs), [e.error for e in evs]
+        st = sink.stats()
+        assert (st["peer_closed"], st["dones_owed"], st["pulls_live"], st["peers"]) == (1, 0, 0, 0), st
+        for req in ("whole", "never", "writing"):
+            sink.pool.free_request(req)
+        assert sink.pool.regions_live == 0
+        src = TransferSource(TransportConfig(**{**CFG, "timeout_s": 30.0, "port": port}), COMPAT,
+                             nixl=FakeNixlWrapper(fabric, "P2"))
+        stage(src, "after", 3000, 2000)
+        pull(sink, src, "after")
+        assert all(e.ok for e in collect(sink, 2, timeout=8.0))
+    finally:
+        sink.close()
+        src.close()
+
+
+def test_p_tells_only_live_sessions_it_is_closing_and_logs_nothing_for_gone_ones(fabric: FakeFabric) -> None:
+    """A session whose D has gone (its zmq identity unroutable) is skipped quietly: no dropped reply counted."""
+    src = TransferSource(TransportConfig(**CFG, timeout_s=3.0), COMPAT, nixl=FakeNixlWrapper(fabric, "P"))
+    sink = TransferSink(TransportConfig(**CFG, timeout_s=3.0), COMPAT, nixl=FakeNixlWrapper(fabric, "D"))
+    stage(src, "a", 3000, 2000)
+    pull(sink, src, "a")
+    assert all(e.ok for e in collect(sink, 2))
+    sink.close()  # D gone: its identity no longer routable from P's ROUTER
+    wait_for(lambda: src.stats()["requests_live"] == 0)
+    time.sleep(0.2)
+    dropped = src.stats()["replies_dropped"]
+    src.close()
+    assert src._told_closing == 0 and src.counters["replies_dropped"] == dropped
