@@ -243,7 +243,7 @@ def modes_table() -> str:
         first = "on the anchor (P's token)" if m.first_token_after == RELEASE_ON_ANCHOR else "with the KV"
         cached = "yes" if m.prefix_cached else "no"
         needs = "yes" if m.needs_spec_scheduler else "no"
-        fallback = (f"; served as `{m.fallback}` without it, and for structured-output or seeded sampled requests"
+        fallback = (f"; served as `{m.fallback}` without it, and for structured-output, seeded sampled or `min_tokens` requests"
                     if m.fallback else "")
         rows.append(f"| `{m.name}` | `{m.codec}` | {' + '.join(m.planes)} | {after} | {first} | {cached} "
                     f"| {'yes' if m.lossless else 'no'} | {'yes' if m.name in allowed else 'no'} | {needs}{fallback} | {bits:.4g} | {m.summary} |")

@@ -39,7 +39,10 @@ class ServedMode:
         """D's mode for a pull: speculation needs the Lynx scheduler, otherwise the request is served as its
         mode's fallback (the modes table: full). Structured-output requests are served as the fallback too (held
         tokens would bypass the grammar), and so are seeded sampled ones: speculation samples from the right
-        distribution, but its draws depend on when the residual lands, so a seed would not give the same text twice."""
+        distribution, but its draws depend on when the residual lands, so a seed would not give the same text twice.
+        Requests with ``min_tokens`` as well: vLLM's min-tokens processor stops masking the stop tokens of a request
+        once its output (held tokens included) reaches ``min_tokens``, and a request verified without leaving the
+        batch is never tracked again, so verification would let it stop too early."""
         row = get_mode(mode)
         if not row.needs_spec_scheduler:
             return mode
@@ -52,6 +55,10 @@ class ServedMode:
         if _seeded(request):
             logger.debug("Request %s samples with a seed: served as '%s' instead of '%s' (reproducible)", req_id,
                         fallback, mode)
+            return fallback
+        if _min_tokens(request):
+            logger.debug("Request %s sets min_tokens: served as '%s' instead of '%s' (vLLM's min-tokens mask would "
+                         "miss its verification pass)", req_id, fallback, mode)
             return fallback
         if self.speculation_enabled:
             return mode
@@ -71,3 +78,9 @@ def _seeded(request: Request) -> bool:
 
     sp = getattr(request, "sampling_params", None)
     return sp is not None and sp.sampling_type == SamplingType.RANDOM_SEED
+
+
+def _min_tokens(request: Request) -> bool:
+    """The request sets ``min_tokens`` (vLLM's MinTokensLogitsProcessor masks its stop tokens until then)."""
+    sp = getattr(request, "sampling_params", None)
+    return sp is not None and (sp.min_tokens or 0) > 0

@@ -137,6 +137,27 @@ def test_seeded_sampling_is_served_as_full():
     assert s.spec.pending == {"d-random", "d-greedy"}
 
 
+def test_min_tokens_requests_are_served_as_full():
+    """vLLM's min-tokens processor forgets a request whose output (held tokens included) reached min_tokens and
+    does not track it again while it stays in the batch: verification would let it stop before min_tokens. Such
+    requests are served as full; the same request without min_tokens speculates."""
+    from vllm.sampling_params import SamplingParams
+
+    s, _ = make_sched()
+    s.speculation_enabled = True
+    cases = (("d-min", SamplingParams(temperature=0.0, min_tokens=9, max_tokens=32), "full"),
+             ("d-min-sampled", SamplingParams(temperature=0.8, min_tokens=1), "full"),
+             ("d-plain", SamplingParams(temperature=0.0, max_tokens=32), "speculative"))
+    for i, (rid, sp, _) in enumerate(cases):
+        r = req(rid, 64, remote_params(64, lynx_mode="speculative", lynx_request_id=f"p-{i}"))
+        r.sampling_params = sp
+        s.get_num_new_matched_tokens(r, 0)
+        s.update_state_after_alloc(r, FakeBlocks([2 * i, 2 * i + 1]), 64)
+    modes = {spec.req_id: spec.mode for spec in s.build_connector_meta(sched_out()).reqs_to_recv}
+    assert modes == {rid: want for rid, _, want in cases}
+    assert s.spec.pending == {"d-plain"}
+
+
 def test_p_hands_its_first_token_to_the_workers_in_the_next_step():
     """Concurrent flow: D's params carry no first token, so P's workers name it on the side channel; they learn it
     from the metadata of the step after the request finished (vLLM runs that step: finished_req_ids)."""
