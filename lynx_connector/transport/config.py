@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from lynx_connector.limits import MAX_SECONDS
+from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.ranking import ORDERS
 
 __all__ = ["TransportConfig", "drain_seconds"]
@@ -118,6 +119,9 @@ class TransportConfig:
             _positive_float("link_gbps", self.link_gbps)
         for name in ("chunk_bytes", "window_bytes", "pool_bytes", "num_workers", "max_message_bytes", "rcvhwm"):
             _positive_int(name, getattr(self, name))
+        if self.max_message_bytes < proto.MIN_MESSAGE_BYTES:  # P refused D's KeepAlives: leases ran out under reads
+            raise ValueError(f"TransportConfig.max_message_bytes ({self.max_message_bytes}) must be >= "
+                             f"{proto.MIN_MESSAGE_BYTES}: a KeepAlive of {proto.MAX_KEEPALIVE} transfers must fit")
         if self.window_bytes < self.chunk_bytes:
             raise ValueError(
                 f"TransportConfig.window_bytes ({self.window_bytes}) must be >= chunk_bytes ({self.chunk_bytes})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,10 +22,13 @@ from lynx_connector.transport import protocol as proto
 
 logger = init_logger(__name__)
 
-__all__ = ["SideChannelServer", "MAX_SESSIONS", "MAX_PENDING"]
+__all__ = ["SideChannelServer", "PendingHandshakes", "MAX_SESSIONS", "MAX_PENDING", "MAX_PENDING_PER_HOST"]
 
 MAX_SESSIONS = 1024  # authenticated sessions kept (least recently used dropped first)
 MAX_PENDING = 4096  # handshakes between Challenge and Auth kept (oldest dropped first; D tries again)
+#: ... of which one peer host holds at most this many (its oldest dropped first): one host's flood of Hellos
+#: cannot push out another host's handshake. Each D has one handshake per P at a time.
+MAX_PENDING_PER_HOST = 256
 PENDING_TTL_S = 30.0
 LOG_CHARS = 200  # log lines about bad frames: truncated, at most one per second per kind
 LOG_EVERY_S = 1.0
@@ -36,6 +40,48 @@ class Pending:
     nonce_p: bytes
     challenge: bytes  # the encoded Challenge, sent again for a re-sent Hello
     expires: float
+    host: str = ""  # the peer's address as zmq saw it ("" = not known)
+
+
+class PendingHandshakes:
+    """The handshakes between P's Challenge and D's Auth, by zmq identity: at most MAX_PENDING in all and
+    MAX_PENDING_PER_HOST per peer host, the oldest dropped first (of that host, then of all)."""
+
+    def __init__(self) -> None:
+        self._all: OrderedDict[bytes, Pending] = OrderedDict()
+        self._by_host: dict[str, OrderedDict[bytes, None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __contains__(self, ident: object) -> bool:
+        return ident in self._all
+
+    def get(self, ident: bytes) -> Pending | None:
+        return self._all.get(ident)
+
+    def add(self, ident: bytes, pending: Pending) -> None:
+        self.pop(ident)
+        mine = self._by_host.get(pending.host)
+        if mine is not None and len(mine) >= MAX_PENDING_PER_HOST:
+            self.pop(next(iter(mine)))
+        if len(self._all) >= MAX_PENDING:
+            self.pop(next(iter(self._all)))
+        self._all[ident] = pending
+        self._by_host.setdefault(pending.host, OrderedDict())[ident] = None
+
+    def pop(self, ident: bytes) -> Pending | None:
+        pending = self._all.pop(ident, None)
+        if pending is not None:
+            mine = self._by_host[pending.host]
+            del mine[ident]
+            if not mine:
+                del self._by_host[pending.host]
+        return pending
+
+    def expire(self, now: float) -> None:
+        for ident in [i for i, p in self._all.items() if p.expires <= now]:
+            self.pop(ident)
 
 
 @dataclass
@@ -72,7 +118,7 @@ class SideChannelServer:
     _sock: zmq.Socket
     _key: bytes
     _sessions: Any
-    _pending: Any
+    _pending: PendingHandshakes
     _log: RateLimitedLog
     counters: dict[str, int]
 
@@ -115,7 +161,9 @@ class SideChannelServer:
         self._log.warn(kind, why)
         self._reply_plain(ident, proto.Error(v=proto.VERSION, code="refused", message="refused"))
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _handle(self, frames: list[bytes], host: str = "") -> None:
+        """One message from the ROUTER; ``host``: the peer's address as zmq saw it (a Hello's handshake counts
+        against that host's share of the pending handshakes)."""
         ident = frames[0]
         if len(frames) != 2:
             self._refuse(ident, "malformed", "frames", f"rejected a message with {len(frames) - 1} frames")
@@ -142,9 +190,9 @@ class SideChannelServer:
         if not isinstance(msg, proto.Hello):
             self._refuse(ident, "refused", "no_session", f"refused a {type(msg).__name__} outside a session")
             return
-        self._on_hello(ident, msg)
+        self._on_hello(ident, msg, host)
 
-    def _on_hello(self, ident: bytes, msg: proto.Hello) -> None:
+    def _on_hello(self, ident: bytes, msg: proto.Hello, host: str = "") -> None:
         pending = self._pending.get(ident)
         if pending is not None and pending.nonce_d == msg.nonce_d:  # a re-sent Hello: the same Challenge again
             self._send(ident, pending.challenge, "Challenge")
@@ -152,10 +200,7 @@ class SideChannelServer:
         nonce_p = secrets.token_bytes(16)
         challenge = proto.encode(proto.Challenge(v=proto.VERSION, nonce_p=nonce_p,
                                                  proof_p=proto.proof_p(self._key, msg.nonce_d, nonce_p)))
-        self._pending.pop(ident, None)
-        if len(self._pending) >= MAX_PENDING:
-            self._pending.popitem(last=False)
-        self._pending[ident] = Pending(msg.nonce_d, nonce_p, challenge, time.monotonic() + PENDING_TTL_S)
+        self._pending.add(ident, Pending(msg.nonce_d, nonce_p, challenge, time.monotonic() + PENDING_TTL_S, host))
         self._send(ident, challenge, "Challenge")
 
     def _handle_sealed(self, ident: bytes, frame: bytes) -> None:
@@ -191,7 +236,7 @@ class SideChannelServer:
         self._on_auth(ident, pending, frame)
 
     def _on_auth(self, ident: bytes, pending: Pending, frame: bytes) -> None:
-        del self._pending[ident]
+        self._pending.pop(ident)
         skey = proto.session_key(self._key, pending.nonce_d, pending.nonce_p)
         opener = proto.Opener(skey, proto.D_TO_P)
         verdict, payload = opener.open(frame)

@@ -42,7 +42,7 @@ __all__ = [
     "VERSION", "ProtocolError", "Hello", "Challenge", "Auth", "HelloOk", "Query", "Regions", "NotReady", "Done",
     "Ack", "Error", "KeepAlive", "Alive", "Message", "encode", "decode", "compat_hash", "compat_diff", "proof_p", "proof_d",
     "session_key", "seal", "Opener", "SEALED", "MAX_KEEPALIVE", "MAX_TOKEN_ID", "P_TO_D", "D_TO_P", "HEX_ID_LEN", "is_hex_id",
-    "is_mode_name", "CLOSING",
+    "is_mode_name", "CLOSING", "MIN_MESSAGE_BYTES",
 ]
 
 VERSION = 4  # v3: Regions names the transfer mode (auto in the concurrent flow); v4: Done carries link_s (PROTOCOL.md 7, 8)
@@ -61,6 +61,9 @@ Ver = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 #: section 9). An Error with no transfer id already ended a v4 peer's session, so it needs no new version.
 CLOSING = "closing"
 MAX_KEEPALIVE = 256  # tickets per KeepAlive frame (about 70 bytes each: far below the 64 KiB frame cap)
+#: The smallest inbound-frame limit (`TransportConfig.max_message_bytes`) an end may have: a sealed KeepAlive of
+#: MAX_KEEPALIVE tickets (about 17.7 KB) must fit, or P refuses D's lease renewals.
+MIN_MESSAGE_BYTES = 32 << 10
 CompatValue = str | int | float | bool | None
 Compat = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], CompatValue], msgspec.Meta(max_length=64)]
 

@@ -22,6 +22,8 @@ __all__ = ["KEY_HINT", "ReplyHandlers"]
 #: Handshakes P refuses in a row before D takes it as final (a wrong key, an incompatible peer): one refusal can
 #: be P dropping a pending handshake under a flood of Hellos (handshake.py MAX_PENDING), not a verdict.
 AUTH_RETRIES = 3
+#: Addresses of Ps that said they were shutting down, remembered (no Done owed there) until one handshakes again.
+MAX_CLOSED_ADDRS = 1024
 KEY_HINT = ("LYNX_SIDE_CHANNEL_KEY_FILE / LYNX_SIDE_CHANNEL_KEY must hold the same key on every prefill and decode "
             "instance, and insecure_side_channel must be set on both or neither")
 
@@ -39,6 +41,8 @@ class ReplyHandlers:
     _courier: Any
     _staged: list[Staged]
     _peers_closed: int
+    _log: Any
+    _closed_addrs: dict[Any, float]
 
     def _on_plain(self, peer: PeerLink, msg: proto.Message) -> None:
         """Frames outside a session: P's Challenge, or its Error to a peer without a (valid) session."""
@@ -59,6 +63,12 @@ class ReplyHandlers:
             # P no longer knows our session (restarted, or dropped it): a fresh connection and full handshake
             self._security["sessions_lost"] += 1
             self._reconnect(peer, time.monotonic(), why="lost our session")
+            return
+        if peer.state == "ready":  # P answers a session only sealed, or "refused" when it lost it: this one is
+            # not P's (an on-path injection would otherwise fail every pull of the session and free P's staging)
+            self._security["unsealed_ignored"] += 1
+            self._log.warn("unsealed", "side channel from %s: ignored an unsealed %r error inside the session", where,
+                           msg.code[:64])
             return
         if msg.code == "refused" and peer.state == "auth" and peer.auth_refusals < AUTH_RETRIES:
             # P may have dropped our handshake before our Auth came (it keeps MAX_PENDING of them: a flood of
@@ -122,9 +132,24 @@ class ReplyHandlers:
                 self._fail(pull, f"prefill instance {peer.name} shut down while transfer {pull.transfer_id[:8]}… "
                            f"of {pull.req_id!r} was pulled from it")
         self._courier.forget(peer.addr)
+        if len(self._closed_addrs) >= MAX_CLOSED_ADDRS:
+            self._closed_addrs.pop(next(iter(self._closed_addrs)))
+        self._closed_addrs[peer.addr] = time.monotonic() + (peer.lease_s or self.config.lease_s)
         peer.state = "failed"
         del self._peers[peer.addr]
         self._drop_peer_resources(peer)
+
+    def _said_closing(self, addr: Any) -> bool:
+        """The P at ``addr`` said it was shutting down, no P there has handshaken since, and its lease has not run
+        out: a Done to it frees nothing (its staging went with it) and could never be acknowledged, so none is
+        owed. (A P restarted there frees by its lease what D discards before their first handshake.)"""
+        until = self._closed_addrs.get(addr)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._closed_addrs[addr]
+        return False
 
     def _on_hello(self, peer: PeerLink, msg: proto.HelloOk) -> None:
         if msg.compat_hash != self.compat_hash:
@@ -142,6 +167,7 @@ class ReplyHandlers:
                 self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]}: bad NIXL metadata: {exc}")
                 return
         peer.state, peer.pool_addr, peer.pool_nbytes = "ready", msg.pool_addr, msg.pool_nbytes
+        self._closed_addrs.pop(peer.addr, None)  # a P runs there again: Dones to it are owed as usual
         peer.auth_refusals = 0
         peer.session_id, peer.lease_s, peer.keepalive_at = msg.session_id, msg.lease_s, 0.0
         self._security["handshakes"] += 1

@@ -40,6 +40,7 @@ from lynx_connector.transport.closing import SinkClosing
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.events import ANCHOR, TransferEvent
 from lynx_connector.transport.first_token import FirstTokenFollower
+from lynx_connector.transport.handshake import RateLimitedLog
 from lynx_connector.transport.link import (
     NO_MEASURE,
     Addr,
@@ -109,10 +110,13 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
             self._reconnects = 0
             self._lease_lost = 0  # pulls P answered as gone (KeepAlive) while they were being read
             self._peers_closed = 0  # P peers that said they were shutting down (Error "closing")
+            self._closed_addrs: dict[Addr, float] = {}  # their addresses -> until when no Done is owed there
+            self._log = RateLimitedLog("lynx sink")  # frames that are not P's (unsealed errors in a session)
             self._keepalives = 0
             self._pipelined = 0  # pulls whose transfer started while P was still publishing layers
             self._early = 0  # concurrent-flow pulls (started before P may have had the request)
-            self._security = {"bad_mac": 0, "replayed": 0, "sessions_lost": 0, "handshakes": 0, "handshakes_retried": 0}
+            self._security = {"bad_mac": 0, "replayed": 0, "sessions_lost": 0, "handshakes": 0, "handshakes_retried": 0,
+                              "unsealed_ignored": 0}
             self._max_in = max(config.max_message_bytes, proto.MAX_MD + 4096)  # a HelloOk carries P's NIXL metadata
             self._init_first_tokens()  # concurrent flow, speculative: P's first token (transport/first_token.py)
             self._stop = False
@@ -379,6 +383,8 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
 
     def _owe_done(self, addr: Addr, ticket: tuple[str, str], connect: bool = False,
                   measure: Measure = NO_MEASURE) -> None:
+        if self._said_closing(addr):  # that P's staging is gone: nothing to free, nobody to acknowledge
+            return
         self._courier.owe(addr, ticket, time.monotonic(), measure)
         peer = self._peers.get(addr)
         if peer is None and connect:

@@ -38,7 +38,7 @@ from lynx_connector.logger import init_logger
 from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.answers import SourceAnswers
 from lynx_connector.transport.config import TransportConfig
-from lynx_connector.transport.handshake import Pending, RateLimitedLog, Session, SideChannelServer
+from lynx_connector.transport.handshake import PendingHandshakes, RateLimitedLog, Session, SideChannelServer
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
 from lynx_connector.transport.pool import StagedRequest, StagingPool
 from lynx_connector.transport.status import StatusWriter
@@ -102,7 +102,7 @@ class TransferSource(SourceAnswers, SideChannelServer):
             # only when the caller stops writing (publish / abort), never reused under its writes.
             self._orphans: dict[str, str] = {}  # req_id -> why it was freed ("done": D read nothing more; "lease")
             self._sessions: OrderedDict[bytes, Session] = OrderedDict()  # zmq identity -> session (service thread)
-            self._pending: OrderedDict[bytes, Pending] = OrderedDict()  # zmq identity -> handshake in progress
+            self._pending = PendingHandshakes()  # zmq identity -> handshake in progress
             self._log = RateLimitedLog()
             self._nixl_log = RateLimitedLog("lynx source")  # not counted with the side channel's
             self.counters = {"served_queries": 0, "malformed": 0, "freed_done": 0, "freed_lease": 0, "freed_abort": 0,
@@ -449,8 +449,7 @@ class TransferSource(SourceAnswers, SideChannelServer):
         for req_id, tid in expired:
             if self._free(req_id, "lease", transfer_id=tid):
                 logger.warning("lease of %s expired after %.1fs without D's done: freed", req_id, self.config.lease_s)
-        for ident in [i for i, p in self._pending.items() if p.expires <= now]:
-            del self._pending[ident]
+        self._pending.expire(now)
 
     def _pump_nixl(self) -> None:
         try:
@@ -467,7 +466,15 @@ class TransferSource(SourceAnswers, SideChannelServer):
     def _drain_socket(self) -> None:
         for _ in range(256):
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._handle(frames)
+            self._handle([f.bytes for f in frames], _peer_host(frames[-1]))
+
+
+def _peer_host(frame: zmq.Frame) -> str:
+    """The address of the peer a frame came from, as zmq saw it ("" when it does not say)."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, ValueError, TypeError):
+        return ""

@@ -554,6 +554,10 @@ def test_a_closing_p_fails_d_pulls_from_it_at_once_and_nothing_is_owed(fabric: F
         assert all(not e.ok and "shut down" in e.error for e in evs), [e.error for e in evs]
         st = sink.stats()
         assert (st["peer_closed"], st["dones_owed"], st["pulls_live"], st["peers"]) == (1, 0, 0, 0), st
+        sink.discard("127.0.0.1", port, "ab" * 16, "cd" * 16)  # the worker discarding a ticket of that P
+        time.sleep(0.2)
+        st = sink.stats()
+        assert (st["dones_owed"], st["peers"]) == (0, 0), st  # owed to nobody, no connection to the dead port
         for req in ("whole", "never", "writing"):
             sink.pool.free_request(req)
         assert sink.pool.regions_live == 0

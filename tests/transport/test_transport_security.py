@@ -129,13 +129,13 @@ def test_a_hello_flood_from_outsiders_does_not_fail_a_real_d(src: TransferSource
     real_on_hello = handshake.SideChannelServer._on_hello
     flooded = [0]
 
-    def on_hello(self, ident, msg):  # right after the first Hello: outsiders' Hellos evict its handshake
-        real_on_hello(self, ident, msg)
+    def on_hello(self, ident, msg, host=""):  # right after the first Hello: outsiders' Hellos evict its handshake
+        real_on_hello(self, ident, msg, host)
         if not flooded[0]:
             flooded[0] = 1
-            for i in range(handshake.MAX_PENDING):
+            for i in range(handshake.MAX_PENDING):  # from as many hosts: the per-host share does not apply
                 real_on_hello(self, b"outsider-%d" % i, proto.Hello(v=proto.VERSION, nonce_d=b"X" * 16,
-                                                                      compat_hash="0" * 64))
+                                                                      compat_hash="0" * 64), f"10.0.0.{i}")
 
     monkeypatch.setattr(handshake.SideChannelServer, "_on_hello", on_hello)
     st = stage(src, "p1", 4096, 0)
@@ -146,6 +146,57 @@ def test_a_hello_flood_from_outsiders_does_not_fail_a_real_d(src: TransferSource
     assert ev.ok, ev.error
     assert torch.equal(loc.anchor, st.anchor)
     assert sink.stats()["handshakes_retried"] == 1 and src.stats()["refused"] == 1
+
+def test_one_host_flooding_hellos_cannot_push_out_another_host_handshake(src: TransferSource, sinks,
+                                                                        monkeypatch) -> None:
+    """Outsiders on one host (127.0.0.2) keep Hellos coming from more connections than P keeps handshakes for.
+    Before, every handshake of a real D (127.0.0.1) was pushed out before its Auth came, so its pull failed after
+    AUTH_RETRIES, blaming the key. Each host now holds at most MAX_PENDING_PER_HOST of them: D's survives."""
+    import threading
+
+    from lynx_connector.transport import handshake
+
+    monkeypatch.setattr(handshake, "MAX_PENDING", 16)
+    monkeypatch.setattr(handshake, "MAX_PENDING_PER_HOST", 4)
+    stop = threading.Event()
+    hello = proto.encode(proto.Hello(v=proto.VERSION, nonce_d=b"X" * 16, compat_hash="0" * 64))
+
+    def flood() -> None:
+        ctx = zmq.Context()
+        socks = []
+        for _ in range(48):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect("tcp://127.0.0.2:0;{}:{}".format(*src.address))
+            socks.append(sock)
+        while not stop.is_set():
+            for sock in socks:
+                try:
+                    sock.send(hello, zmq.NOBLOCK)
+                    while sock.poll(0):
+                        sock.recv()
+                except zmq.Again:
+                    pass
+            time.sleep(0.001)
+        for sock in socks:
+            sock.close()
+        ctx.term()
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        time.sleep(0.3)  # the flood is on
+        st = stage(src, "p1", 4096, 0)
+        sink = sinks(timeout_s=5.0)
+        loc = sink.pool.alloc_request("d1", 4096, 0)
+        sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, None)
+        (ev,) = collect(sink, 1, timeout=8.0)
+    finally:
+        stop.set()
+        flooder.join(5)
+    assert ev.ok, ev.error
+    assert torch.equal(loc.anchor, st.anchor)
+
 
 def test_wrong_key_d_fails_the_handshake_naming_the_key(src: TransferSource, sinks) -> None:
     stage(src, "p1", 4096, 0)
@@ -327,3 +378,67 @@ def test_a_failing_nixl_progress_is_one_warning_not_one_per_pump(src: TransferSo
     assert len(lines) == 1 and "agent gone" in lines[0], len(lines)
     assert src._nixl_log.suppressed > 10 and src.stats()["logs_suppressed"] == 0  # not the side channel's
     del st
+
+
+def test_an_unsealed_error_inside_a_session_is_ignored(src: TransferSource, sinks, monkeypatch) -> None:
+    """P answers a session only with sealed frames (or a plain "refused" when it lost the session). Before, any
+    other plain Error reaching D in a session (an on-path injection: no key needed) failed every pull of the
+    peer, reads in flight included, and D's Dones freed P's staging. Now it is ignored and counted."""
+    real = src._reply_sealed
+    injected = [0]
+
+    def reply(ident, sess, msg):  # P's real answer, then a forged plain Error on the same connection
+        ok = real(ident, sess, msg)
+        if isinstance(msg, proto.Regions) and not injected[0]:
+            injected[0] = 1
+            src._reply_plain(ident, proto.Error(v=proto.VERSION, code="boom", message="forged"))
+        return ok
+
+    monkeypatch.setattr(src, "_reply_sealed", reply)
+    st = stage(src, "p1", 200_000, 100_000)
+    sink = sinks(link_gbps=0.02)  # reads in flight when the forged Error arrives
+    loc = sink.pool.alloc_request("d1", 200_000, 100_000)
+    sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, loc.residual)
+    evs = collect(sink, 2, timeout=10.0)
+    assert all(e.ok for e in evs), [e.error for e in evs]
+    assert torch.equal(loc.anchor, st.anchor) and torch.equal(loc.residual, st.residual)
+    assert injected[0] == 1 and sink.stats()["unsealed_ignored"] == 1
+
+
+def test_max_message_bytes_must_hold_a_full_keepalive() -> None:
+    """P with a small max_message_bytes refused D's KeepAlives (a plain "refused" D took for a lost session, or a
+    dropped connection): D reconnected every quarter lease and pulls outlasting the lease failed. The bound is
+    a config error now, and a sealed KeepAlive of MAX_KEEPALIVE tickets fits it."""
+    with pytest.raises(ValueError, match="max_message_bytes .*4096.*KeepAlive"):
+        TransportConfig(max_message_bytes=4096)
+    TransportConfig(max_message_bytes=proto.MIN_MESSAGE_BYTES)
+    tickets = [("a" * 32, "b" * 32)] * proto.MAX_KEEPALIVE
+    frame = proto.seal(b"k" * 32, proto.D_TO_P, 2**63 - 1,
+                       proto.encode(proto.KeepAlive(v=proto.VERSION, tickets=tickets)))
+    assert len(frame) <= proto.MIN_MESSAGE_BYTES
+
+
+def test_pending_handshakes_drop_the_oldest_of_the_host_then_of_all(monkeypatch) -> None:
+    from lynx_connector.transport import handshake
+
+    monkeypatch.setattr(handshake, "MAX_PENDING", 4)
+    monkeypatch.setattr(handshake, "MAX_PENDING_PER_HOST", 2)
+    table = handshake.PendingHandshakes()
+
+    def add(ident: bytes, host: str, expires: float = 100.0) -> None:
+        table.add(ident, handshake.Pending(b"n" * 16, b"p" * 16, b"c", expires, host))
+
+    add(b"a1", "A")
+    add(b"b1", "B", expires=5.0)
+    add(b"a2", "A")
+    add(b"a3", "A")  # A's share is full: A's oldest (a1) goes, not B's
+    assert [i for i in (b"a1", b"b1", b"a2", b"a3") if i in table] == [b"b1", b"a2", b"a3"]
+    add(b"c1", "C")
+    add(b"d1", "D")  # the table is full: the oldest of all (b1) goes
+    assert b"b1" not in table and len(table) == 4
+    add(b"a3", "A")  # the same identity again replaces its own entry
+    assert len(table) == 4 and table.get(b"a3") is not None
+    table.expire(200.0)
+    assert len(table) == 0 and table._by_host == {}
+    add(b"x", "A")
+    assert table.pop(b"x") is not None and table.pop(b"x") is None and table._by_host == {}
