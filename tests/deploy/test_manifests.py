@@ -78,6 +78,9 @@ def test_lynx_wiring(path: Path) -> None:
         assert c["envFrom"][0]["configMapRef"]["name"] == "lynx-config"
         args = [_expand(a, env) for a in c["args"]]
         assert args[:2] == ["serve", cm["MODEL"]]
+        # SIGTERM drains, then the workers close in order (P tells its Ds, D its Ps), within the pod's grace
+        drain = [int(a.split("=", 1)[1]) for a in args if a.startswith("--shutdown-timeout=")]
+        assert len(drain) == 1 and 0 < drain[0] < sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         raw = args[args.index("--kv-transfer-config") + 1]
         expanded = json.loads(expand_kv_transfer_config(raw))
         assert expanded["kv_connector"] == "LynxConnector" and expanded["kv_role"] == "kv_both"

@@ -8,6 +8,8 @@ Real `lynx serve` P and D, two `lynx proxy` (one per flow), the real model, real
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -46,6 +48,7 @@ def dep(tmp_path_factory, model):
     d = Deployment(model, logs, kv_transfer_config=with_port, max_model_len=4096,
                    decode_serve_args=["--kv-transfer-config", kv_config(0, str(status))],
                    proxy_args=["--flow", "pipelined"])
+    d.prefill.argv += ["--shutdown-timeout", "60"]  # SIGTERM drains (the last test stops P that way)
     seq = d.add_proxy("proxy-sequential", ["--flow", "sequential"])
     with d:
         pair = Pair(d, status, model)
@@ -64,10 +67,11 @@ def _stats(url: str) -> dict:
         return json.load(resp)
 
 
-def _endpoint_counters(status_dir) -> dict[str, float]:
+def _endpoint_counters(status_dir, keys=("partial_published", "pipelined_pulls", "early_pulls", "first_tokens")
+                       ) -> dict[str, float]:
     from lynx_connector.transport.status import writer_alive
 
-    out = {"partial_published": 0.0, "pipelined_pulls": 0.0, "early_pulls": 0.0, "first_tokens": 0.0}
+    out = dict.fromkeys(keys, 0.0)
     for path in status_dir.glob("*.json"):
         data = json.loads(path.read_text())
         if not writer_alive(data):
@@ -238,3 +242,32 @@ def test_side_channel_params_cannot_be_chosen_by_a_client(dep):
     assert "concurrent-flow params refused" in error["message"] and error["code"] == 400
     assert "lynx_transfer_id" not in out["kv_transfer_params"]
     assert_idle(dep)
+
+
+def test_prefill_stopped_by_sigterm_drains_then_tells_d(dep):
+    """Last in this module: it stops P as Kubernetes does, SIGTERM to the server process only. With vLLM's
+    --shutdown-timeout it drains: the request in flight completes, then P's workers close in order and P's side
+    channel tells D it is shutting down (D's peer_closed), so D's pulls from it could not wait out timeout_s.
+    (vLLM's default, abort, kills the workers at once: nothing is said, D's pulls fail at their deadline.)"""
+    before = _endpoint_counters(dep.status_dir, ("partial_published", "peer_closed"))
+    results: list[dict] = []
+    t = threading.Thread(target=lambda: results.append(
+        complete(dep.url, dep.model, _prompt(30, seed=11), "full", max_tokens=16, timeout=WAIT_S + 60)))
+    t.start()
+    end = time.monotonic() + 60
+    while _endpoint_counters(dep.status_dir, ("partial_published",))["partial_published"] <= before["partial_published"]:
+        assert time.monotonic() < end and t.is_alive(), results  # P has the request: it publishes its layers
+        time.sleep(0.05)
+    proc = dep.dep.prefill.proc
+    os.kill(proc.pid, signal.SIGTERM)
+    t.join(timeout=WAIT_S + 90)
+    assert results and results[0]["ok"], results  # drained: served whole
+    assert proc.wait(90) == 0
+    end = time.monotonic() + 10
+    while _endpoint_counters(dep.status_dir, ("peer_closed",))["peer_closed"] <= before["peer_closed"]:
+        assert time.monotonic() < end, "D never heard that P was shutting down"
+        time.sleep(0.1)
+    log = dep.dep.prefill.log_path.read_text(errors="replace")
+    assert "decode session(s) it is shutting down" in log
+    dep.dep.prefill.stop()
+

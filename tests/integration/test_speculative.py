@@ -156,6 +156,25 @@ def test_eos_and_max_tokens_during_speculation(engines, prompts):
         assert c["speculated"] + c["first_token_early"] == 5
 
 
+def test_min_tokens_request_equals_full(engines, prompts):
+    """vLLM's min-tokens processor stops masking EOS once a request's output, held tokens included, reaches
+    min_tokens, and never tracks it again while it stays in the batch: verified speculatively, a request stopped
+    at its natural EOS, before min_tokens (7 tokens where full gave 31). It is served as full now: equal to full
+    mode's output with the residual landing while it decodes, and at least min_tokens long."""
+    p, d = engines
+    ids = [pr.token_ids for pr in prompts]
+    natural = reference(p, d, ids, "eos", max_tokens=32)
+    pick = [i for i, o in enumerate(natural) if o["finish_reason"] == "stop" and len(o["token_ids"]) + 3 < CAP]
+    assert pick, [(len(o["token_ids"]), o["finish_reason"]) for o in natural]  # short answers ending in EOS
+    chosen = [ids[i] for i in pick]
+    m = min(len(natural[i]["token_ids"]) for i in pick) + 2  # past the shortest answer's EOS, below the cap
+    ref = run(p, d, chosen, "full", max_tokens=32, min_tokens=m)
+    out = run(p, d, chosen, "speculative", {"delay_residual_steps": m + 1}, max_tokens=32, min_tokens=m)
+    for o, r in zip(out, ref, strict=True):
+        assert o["token_ids"] == r["token_ids"] and o["finish_reason"] == r["finish_reason"]
+        assert len(o["token_ids"]) >= m and counters(o) is None  # served as full: no speculation summary
+
+
 def _first_divergence(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
