@@ -117,24 +117,30 @@ def test_first_token_is_kept_for_speculative_pulls_only():
     assert "lynx_first_token" not in remote_params(64)
 
 
+def _served_as(cases):
+    """D's scheduler half (with the speculative scheduler) given each (request id, SamplingParams, _) asking for
+    speculation: the mode each is served as, and the requests left pending their residual."""
+    s, _ = make_sched()
+    s.speculation_enabled = True
+    for i, (rid, sp, _want) in enumerate(cases):
+        r = req(rid, 64, remote_params(64, lynx_mode="speculative", lynx_request_id=f"p-{i}"))
+        r.sampling_params = sp
+        s.get_num_new_matched_tokens(r, 0)
+        s.update_state_after_alloc(r, FakeBlocks([2 * i, 2 * i + 1]), 64)
+    return {spec.req_id: spec.mode for spec in s.build_connector_meta(sched_out()).reqs_to_recv}, s.spec.pending
+
+
 def test_seeded_sampling_is_served_as_full():
     """A seeded sampled request asking for speculation is served as full (speculation's draws depend on when the
     residual lands: the same seed would not give the same text twice); greedy and unseeded ones speculate."""
     from vllm.sampling_params import SamplingParams
 
-    s, _ = make_sched()
-    s.speculation_enabled = True
     cases = (("d-seed", SamplingParams(temperature=0.8, seed=7), "full"),
              ("d-random", SamplingParams(temperature=0.8), "speculative"),
              ("d-greedy", SamplingParams(temperature=0.0, seed=7), "speculative"))
-    for i, (rid, sp, _) in enumerate(cases):
-        r = req(rid, 64, remote_params(64, lynx_mode="speculative", lynx_request_id=f"p-{i}"))
-        r.sampling_params = sp
-        s.get_num_new_matched_tokens(r, 0)
-        s.update_state_after_alloc(r, FakeBlocks([2 * i, 2 * i + 1]), 64)
-    modes = {spec.req_id: spec.mode for spec in s.build_connector_meta(sched_out()).reqs_to_recv}
+    modes, pending = _served_as(cases)
     assert modes == {rid: want for rid, _, want in cases}
-    assert s.spec.pending == {"d-random", "d-greedy"}
+    assert pending == {"d-random", "d-greedy"}
 
 
 def test_min_tokens_requests_are_served_as_full():
@@ -143,19 +149,12 @@ def test_min_tokens_requests_are_served_as_full():
     requests are served as full; the same request without min_tokens speculates."""
     from vllm.sampling_params import SamplingParams
 
-    s, _ = make_sched()
-    s.speculation_enabled = True
     cases = (("d-min", SamplingParams(temperature=0.0, min_tokens=9, max_tokens=32), "full"),
              ("d-min-sampled", SamplingParams(temperature=0.8, min_tokens=1), "full"),
              ("d-plain", SamplingParams(temperature=0.0, max_tokens=32), "speculative"))
-    for i, (rid, sp, _) in enumerate(cases):
-        r = req(rid, 64, remote_params(64, lynx_mode="speculative", lynx_request_id=f"p-{i}"))
-        r.sampling_params = sp
-        s.get_num_new_matched_tokens(r, 0)
-        s.update_state_after_alloc(r, FakeBlocks([2 * i, 2 * i + 1]), 64)
-    modes = {spec.req_id: spec.mode for spec in s.build_connector_meta(sched_out()).reqs_to_recv}
+    modes, pending = _served_as(cases)
     assert modes == {rid: want for rid, _, want in cases}
-    assert s.spec.pending == {"d-plain"}
+    assert pending == {"d-plain"}
 
 
 def test_p_hands_its_first_token_to_the_workers_in_the_next_step():
