@@ -33,7 +33,7 @@ SIDE_CHANNEL_EVENTS = {
     "p": ("malformed", "auth_failed", "refused", "bad_mac", "replayed", "unknown_request", "bad_notif",
           "replies_dropped", "freed_lease", "keepalive_gone", "logs_suppressed"),
     "d": ("bad_mac", "replayed", "sessions_lost", "reconnects", "resent", "lease_lost",
-          "peer_closed", "unsealed_ignored"),
+          "peer_closed", "peer_gone", "unsealed_ignored"),
 }
 #: What the security seconds measure (``vllm:lynx_security_seconds{side, what}``): the per-layer checksums P
 #: computes and D verifies, and the side channel's MACs (its service threads).

@@ -91,6 +91,10 @@ class PeerLink:
         self.reconnects = 0
         self.auth_refusals = 0  # handshakes P refused in a row (replies.py: tried again up to AUTH_RETRIES times)
         self.connects = 0  # TCP connections zmq has established on the current socket
+        #: connection attempts that failed in a row on the current socket, since its last connection (a port nothing
+        #: listens on refuses at once; a partition leaves the attempt pending instead)
+        self.refusals = 0
+        self._attempting = False
         self.monitor: zmq.Socket | None = None
         self.sock = self._open()
 
@@ -105,8 +109,9 @@ class PeerLink:
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         # zmq re-establishes a dropped TCP connection by itself, silently: the monitor tells D, which must then
-        # handshake again before trusting any answer (P may have restarted on the same address)
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        # handshake again before trusting any answer (P may have restarted on the same address); it also tells D
+        # when zmq's attempts to connect fail at once (nothing listens on P's port: that P process is gone)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_DELAYED | zmq.EVENT_CLOSED)
         try:
             sock.connect(f"tcp://{self.addr[0]}:{self.addr[1]}")
         except zmq.ZMQError:  # an address check_peer_addr let through: nothing may stay open or registered
@@ -118,6 +123,7 @@ class PeerLink:
         self._poller.register(sock, zmq.POLLIN)
         self.opened_at = time.monotonic()
         self.connects = 0
+        self.refusals, self._attempting = 0, False
         return sock
 
     def reconnected(self) -> bool:
@@ -130,7 +136,13 @@ class PeerLink:
                 break
             if event["event"] == zmq.EVENT_CONNECTED:
                 self.connects += 1
+                self.refusals, self._attempting = 0, False
                 again = again or self.connects > 1
+            elif event["event"] == zmq.EVENT_CONNECT_DELAYED:  # a connection attempt is under way
+                self._attempting = True
+            elif event["event"] == zmq.EVENT_CLOSED and self._attempting:  # ... and it failed (refused, unreachable)
+                self._attempting = False
+                self.refusals += 1
         return again
 
     def silent_for(self, now: float) -> float:

@@ -22,8 +22,10 @@ __all__ = ["KEY_HINT", "ReplyHandlers"]
 #: Handshakes P refuses in a row before D takes it as final (a wrong key, an incompatible peer): one refusal can
 #: be P dropping a pending handshake under a flood of Hellos (handshake.py MAX_PENDING), not a verdict.
 AUTH_RETRIES = 3
-#: Addresses of Ps that said they were shutting down, remembered (no Done owed there) until one handshakes again.
+#: Addresses of Ps that shut down or went away, remembered (no Done owed there) until one handshakes again.
 MAX_CLOSED_ADDRS = 1024
+#: Connection attempts to a P that fail at once, in a row, before D takes that P as gone.
+GONE_REFUSALS = 2
 KEY_HINT = ("LYNX_SIDE_CHANNEL_KEY_FILE / LYNX_SIDE_CHANNEL_KEY must hold the same key on every prefill and decode "
             "instance, and insecure_side_channel must be set on both or neither")
 
@@ -41,6 +43,7 @@ class ReplyHandlers:
     _courier: Any
     _staged: list[Staged]
     _peers_closed: int
+    _peers_gone: int
     _log: Any
     _closed_addrs: dict[Any, float]
 
@@ -116,20 +119,36 @@ class ReplyHandlers:
         else:
             logger.warning("side channel from %s:%s: unexpected %s", *peer.addr, type(msg).__name__)
 
+    def _on_monitor(self, peer: PeerLink) -> None:
+        """zmq's events on the connection to ``peer``: connected again by itself (whoever answers there now, P
+        restarted on the same address?, gets a full handshake before any answer is trusted), or its attempts to
+        connect failed at once GONE_REFUSALS times in a row: nothing listens on that P's port, so the P process
+        that issued the tickets D pulls or owes Dones for is gone (killed, or stopped without closing in order; a
+        P listens from before it issues its first ticket until it closes), and so is its staging. A partition
+        leaves the attempts pending instead (no refusal): those pulls wait as before."""
+        if peer.reconnected():
+            self._reconnect(peer, time.monotonic(), why="connection re-established by zmq")
+        elif peer.refusals >= GONE_REFUSALS:
+            self._peers_gone += 1
+            self._end_peer(peer, "went away (its side-channel port refuses connections)")
+
     def _on_closing(self, peer: PeerLink) -> None:
-        """P is shutting down (its sealed ``Error("closing")``, docs/PROTOCOL.md section 9): its staging goes with
-        it, so every pull still reading from it fails now, not at its deadline, no Done is owed to it (none could
-        be acknowledged), and the next pull from its address handshakes afresh. Pulls read whole are kept."""
-        if self._peers.get(peer.addr) is not peer:
-            return
-        self._peers_closed += 1
+        """P is shutting down (its sealed ``Error("closing")``, docs/PROTOCOL.md section 9)."""
+        if self._peers.get(peer.addr) is peer:
+            self._peers_closed += 1
+            self._end_peer(peer, "shut down")
+
+    def _end_peer(self, peer: PeerLink, what: str) -> None:
+        """A P that shut down or went away: its staging went with it, so every pull still reading from it fails
+        now, not at its deadline, no Done is owed to it (none could be acknowledged), and the next pull from its
+        address handshakes afresh. Pulls read whole are kept."""
         failing = [p for p in self._pulls_of(peer) if p.pending]
-        logger.info("lynx sink: prefill instance %s is shutting down: %d pull(s) from it fail now", peer.name,
-                    len(failing))
+        (logger.info if failing else logger.debug)(
+            "lynx sink: prefill instance %s %s: %d pull(s) from it fail now", peer.name, what, len(failing))
         for pull in self._pulls_of(peer):
             pull.done_sent = True
             if pull.pending:
-                self._fail(pull, f"prefill instance {peer.name} shut down while transfer {pull.transfer_id[:8]}… "
+                self._fail(pull, f"prefill instance {peer.name} {what} while transfer {pull.transfer_id[:8]}… "
                            f"of {pull.req_id!r} was pulled from it")
         self._courier.forget(peer.addr)
         if len(self._closed_addrs) >= MAX_CLOSED_ADDRS:

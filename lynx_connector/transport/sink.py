@@ -110,6 +110,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
             self._reconnects = 0
             self._lease_lost = 0  # pulls P answered as gone (KeepAlive) while they were being read
             self._peers_closed = 0  # P peers that said they were shutting down (Error "closing")
+            self._peers_gone = 0  # ... and that went away without a word (their side-channel port refuses)
             self._closed_addrs: dict[Addr, float] = {}  # their addresses -> until when no Done is owed there
             self._log = RateLimitedLog("lynx sink")  # frames that are not P's (unsealed errors in a session)
             self._keepalives = 0
@@ -241,6 +242,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
             "reconnects": self._reconnects,
             "lease_lost": self._lease_lost,
             "peer_closed": self._peers_closed,
+            "peer_gone": self._peers_gone,
             "keepalives": self._keepalives,
             "pipelined_pulls": self._pipelined,
             "early_pulls": self._early,
@@ -304,10 +306,8 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         if self._waker.receiver in ready:
             self._waker.drain()
         for peer in list(self._peers.values()):
-            if peer.monitor in ready and peer.reconnected() and self._peers.get(peer.addr) is peer:
-                # zmq re-established a dropped TCP connection by itself: whoever answers there now (P restarted on
-                # the same address?) gets a full handshake before any answer is trusted
-                self._reconnect(peer, time.monotonic(), why="connection re-established by zmq")
+            if peer.monitor in ready and self._peers.get(peer.addr) is peer:
+                self._on_monitor(peer)  # replies.py: zmq connected again, or P's port refuses connections
             if peer.sock in ready and self._peers.get(peer.addr) is peer:
                 self._drain_peer(peer)
         self._process_sched_events()

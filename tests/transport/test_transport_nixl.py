@@ -200,12 +200,19 @@ def test_peer_killed_mid_transfer_fails_within_timeout(source, paced_sink: Trans
         paced_sink.pull("k1", *addr, *ticket(conn, "k1"), v.anchor, v.residual)
         (t_anchor, ev), = wait_events(paced_sink, 1, 20)
         assert ev.stream == "anchor" and ev.ok
+        before = paced_sink.stats()  # the killed P among its peers
         proc.kill()  # SIGKILL while the 40 MiB residual is being paced (~0.8 s)
         t_kill = time.monotonic()
         (t_fail, ev), = wait_events(paced_sink, 1, 10)
         assert ev.req_id == "k1" and ev.stream == "residual" and not ev.ok and ev.error
         assert t_fail - t_kill < 3.0 + 1.0  # within timeout_s (+ slack)
-        assert paced_sink.stats()["pulls_live"] == 0 and paced_sink.stats()["peers"] == 1
+        assert paced_sink.stats()["pulls_live"] == 0
+        end = time.monotonic() + 5  # its port refuses D's reconnection attempts: D drops it as gone
+        while (paced_sink.stats()["peer_gone"], paced_sink.stats()["peers"]) != (before["peer_gone"] + 1,
+                                                                                before["peers"] - 1):
+            assert time.monotonic() < end, paced_sink.stats()
+            time.sleep(0.01)
+        assert paced_sink.stats()["dones_owed"] == 0
         paced_sink.pool.free_request("k1")
         assert paced_sink.pool.regions_live == 0
     finally:
@@ -288,3 +295,29 @@ def test_a_p_process_that_shuts_down_fails_d_waiting_pull_at_once() -> None:
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+
+
+def test_a_p_process_killed_fails_d_waiting_pull_once_its_port_refuses() -> None:
+    """A real P process (real NIXL) is killed (SIGKILL: nothing said) while D waits on a request it staged but
+    never published: its side-channel port refuses D's reconnection attempts, so D's pull fails within seconds,
+    not at its 30 s deadline."""
+    proc, conn, addr = start_source_process(TransportConfig(pool_bytes=16 * MB, lease_s=60.0, key=TEST_KEY), COMPAT)
+    sink = TransferSink(TransportConfig(pool_bytes=16 * MB, timeout_s=30.0, key=TEST_KEY), COMPAT)
+    try:
+        call(conn, "stage", [("w1", 4096, 8192, 62)], False)
+        v = sink.pool.alloc_request("w1", 4096, 8192)
+        sink.pull("w1", *addr, *ticket(conn, "w1"), v.anchor, v.residual)
+        end = time.monotonic() + 20
+        while sink.stats()["handshakes"] < 1:
+            assert time.monotonic() < end, "no session with P"
+            time.sleep(0.01)
+        proc.kill()
+        evs = wait_events(sink, 2, 10)  # fails past 10 s: the old way was the pull's 30 s deadline
+        assert all(not e.ok and "went away" in e.error for _, e in evs), [e.error for _, e in evs]
+        st = sink.stats()
+        assert (st["peer_gone"], st["dones_owed"], st["pulls_live"]) == (1, 0, 0), st
+        sink.pool.free_request("w1")
+    finally:
+        sink.close()
+        proc.join(10)
+

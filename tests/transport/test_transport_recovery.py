@@ -584,3 +584,27 @@ def test_p_tells_only_live_sessions_it_is_closing_and_logs_nothing_for_gone_ones
     dropped = src.stats()["replies_dropped"]
     src.close()
     assert src._told_closing == 0 and src.counters["replies_dropped"] == dropped
+
+
+def test_a_p_gone_without_a_word_fails_d_pulls_once_its_port_refuses(fabric: FakeFabric, monkeypatch) -> None:
+    """P stops without closing in order (killed, or vLLM's abort mode): no goodbye. Its port then refuses D's
+    reconnection attempts, which zmq reports at once: after GONE_REFUSALS of them D takes that P as gone and fails
+    its waiting pulls (not at their 30 s deadline), owing it no Done. A P paused or cut off by a partition leaves
+    the attempts pending instead (test_paused_p_then_resumed_serves_everything)."""
+    src = TransferSource(TransportConfig(**CFG, timeout_s=30.0), COMPAT, nixl=FakeNixlWrapper(fabric, "P1"))
+    sink = TransferSink(TransportConfig(**CFG, timeout_s=30.0, resend_s=0.2), COMPAT,
+                        nixl=FakeNixlWrapper(fabric, "D"))
+    try:
+        pull(sink, src, "never")
+        wait_for(lambda: sink.stats()["handshakes"] == 1)
+        monkeypatch.setattr(src, "_say_goodbye", lambda: 0)  # as if killed: nothing is said
+        src.close()
+        evs = collect(sink, 2, timeout=5.0)
+        assert all(not e.ok and "went away" in e.error for e in evs), [e.error for e in evs]
+        st = sink.stats()
+        assert (st["peer_gone"], st["peer_closed"], st["dones_owed"], st["pulls_live"], st["peers"]) == (1, 0, 0, 0, 0)
+        sink.pool.free_request("never")
+    finally:
+        sink.close()
+        src.close()
+
