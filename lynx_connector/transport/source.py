@@ -304,6 +304,7 @@ class TransferSource(SourceAnswers, SideChannelServer):
         """Free a request's staging now (the caller stops writing it); False if it had none."""
         with self._lock:
             orphan = self._orphans.pop(req_id, None)
+            self._abandoned.pop(req_id, None)  # given up here too: nothing will ask take_abandoned for it
         if orphan is not None:
             self._free_orphan(req_id, orphan)
             return True

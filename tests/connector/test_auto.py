@@ -326,6 +326,26 @@ def test_p_stages_a_proxy_ticket_for_one_request_only():
     assert s.stats.data["refused_replayed"] == 1
 
 
+def test_a_preempted_p_request_keeps_its_ticket_and_choice_when_scheduled_again():
+    """vLLM calls update_state_after_alloc again for a P request preempted and scheduled anew. Before, its own
+    concurrent-flow ticket (held since the first call) made it a "replayed" refusal, logged and counted, and auto
+    chose again. Its first choice and ticket stand now; nothing is refused."""
+    from lynx_connector.concurrent import mint, prefill_params
+
+    s, mgr = make_p(link_gbps=0.5)
+    s.speculation_enabled = True
+    tid, token = mint()
+    r = p_req("c1", 1024, ParamsSigner(load_side_channel_key(), 60).sign(prefill_params(tid, token, "auto")))
+    mgr.blocks["c1"] = list(range(-(-1024 // BS)))
+    for _ in range(2):  # scheduled, preempted, scheduled again
+        s.update_state_after_alloc(r, FakeBlocks(mgr.blocks["c1"]), 0)
+    save = s.build_connector_meta(sched_out(c1=1024)).reqs_to_save
+    assert [(x.req_id, x.mode, x.transfer_id, x.token) for x in save] == [("c1", "speculative", tid, token)]
+    assert s.stats.data["refused_replayed"] == 0 and [tuple(x) for x in s.stats.data["auto"]] == [
+        ("speculative", "slow_link")]
+    assert "c1" not in s._refused
+
+
 def d_auto_req(req_id="d-1", n=64, structured=False):
     from lynx_connector.concurrent import PrefillEndpoint, decode_params, mint
 

@@ -608,3 +608,14 @@ def test_a_p_gone_without_a_word_fails_d_pulls_once_its_port_refuses(fabric: Fak
         sink.close()
         src.close()
 
+
+def test_an_abandoned_request_that_p_aborts_is_forgotten(pair) -> None:
+    """D's Done for a request P expected but had not staged marks it abandoned (P must not stage it later). When P
+    then aborts it instead of asking take_abandoned, the mark went with it; it stayed (up to 4096 of them)."""
+    src, sink = pair
+    tid, token = src.expect("r1")
+    sink.discard(*src.address, tid, token)
+    wait_for(lambda: src.stats()["freed_done"] == 1)
+    assert "r1" in src._abandoned
+    src.abort("r1")
+    assert "r1" not in src._abandoned and not src.take_abandoned("r1")
