@@ -122,38 +122,32 @@ class SideChannelServer:
     _log: RateLimitedLog
     counters: dict[str, int]
 
-    def _send(self, ident: bytes, frame: bytes, what: str) -> bool:
+    def _send(self, ident: bytes, frame: bytes, what: str, quiet: bool = False) -> bool:
+        """``quiet``: a frame nobody may be left to read (P's goodbye to a D that is gone): not counted or logged."""
         try:
             self._sock.send_multipart([ident, frame], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone (EHOSTUNREACH) or its queue full (EAGAIN): D will ask again
-            self.counters["replies_dropped"] += 1
-            self._log.warn("dropped", "side-channel reply %s dropped: %s", what, exc)
+            if not quiet:
+                self.counters["replies_dropped"] += 1
+                self._log.warn("dropped", "side-channel reply %s dropped: %s", what, exc)
             return False
         return True
 
     def _reply_plain(self, ident: bytes, msg: proto.Message) -> None:
         self._send(ident, proto.encode(msg), type(msg).__name__)
 
-    def _reply_sealed(self, ident: bytes, sess: Session, msg: proto.Message) -> bool:
+    def _reply_sealed(self, ident: bytes, sess: Session, msg: proto.Message, quiet: bool = False) -> bool:
         sess.send_seq += 1
         return self._send(ident, proto.seal(sess.skey, proto.P_TO_D, sess.send_seq, proto.encode(msg)),
-                          type(msg).__name__)
+                          type(msg).__name__, quiet)
 
     def _say_goodbye(self) -> int:
         """P is closing (service thread, after its last pass): an unasked, sealed ``Error("closing")`` to every
         session, so each D fails its pulls from this P at once instead of at their deadline, and forgets the
         Dones it owes (docs/PROTOCOL.md section 9). Sessions whose D is gone are skipped without a warning.
         Returns how many were handed to zmq (``close`` lingers briefly so they leave)."""
-        msg = proto.encode(proto.Error(v=proto.VERSION, code=proto.CLOSING, message="the prefill instance is shutting down"))
-        told = 0
-        for ident, sess in list(self._sessions.items()):
-            sess.send_seq += 1
-            try:
-                self._sock.send_multipart([ident, proto.seal(sess.skey, proto.P_TO_D, sess.send_seq, msg)], zmq.NOBLOCK)
-            except zmq.ZMQError:  # that D is gone (ROUTER_MANDATORY) or not reading: nothing to tell it
-                continue
-            told += 1
-        return told
+        msg = proto.Error(v=proto.VERSION, code=proto.CLOSING, message="the prefill instance is shutting down")
+        return sum(self._reply_sealed(ident, sess, msg, quiet=True) for ident, sess in list(self._sessions.items()))
 
     def _refuse(self, ident: bytes, counter: str, kind: str, why: str) -> None:
         """The one answer for anyone without a session or a failed handshake: Error("refused"), nothing else."""

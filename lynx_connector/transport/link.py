@@ -64,6 +64,9 @@ def done_frame(ticket: tuple[str, str], measure: Measure) -> proto.Done:
 
 HEARTBEAT_IVL_MS = 1000  # zmq-level heartbeats: a dead TCP connection is noticed and re-established by zmq
 HEARTBEAT_TIMEOUT_MS = 3000
+#: A connection attempt that fails within this many seconds was refused (nothing listens there: RST, or an ICMP
+#: port-unreachable); one that fails later timed out or found no route, which says nothing of the P process.
+REFUSED_WITHIN_S = 1.0
 MAX_FRAMES_PER_DRAIN = 256
 
 
@@ -91,10 +94,10 @@ class PeerLink:
         self.reconnects = 0
         self.auth_refusals = 0  # handshakes P refused in a row (replies.py: tried again up to AUTH_RETRIES times)
         self.connects = 0  # TCP connections zmq has established on the current socket
-        #: connection attempts that failed in a row on the current socket, since its last connection (a port nothing
-        #: listens on refuses at once; a partition leaves the attempt pending instead)
+        #: connection attempts refused in a row on the current socket, since its last connection (a port nothing
+        #: listens on refuses within REFUSED_WITHIN_S; a partition leaves the attempt pending, then times out)
         self.refusals = 0
-        self._attempting = False
+        self._attempting = 0.0  # when the attempt under way started (0: none)
         self.monitor: zmq.Socket | None = None
         self.sock = self._open()
 
@@ -123,7 +126,7 @@ class PeerLink:
         self._poller.register(sock, zmq.POLLIN)
         self.opened_at = time.monotonic()
         self.connects = 0
-        self.refusals, self._attempting = 0, False
+        self.refusals, self._attempting = 0, 0.0
         return sock
 
     def reconnected(self) -> bool:
@@ -136,13 +139,15 @@ class PeerLink:
                 break
             if event["event"] == zmq.EVENT_CONNECTED:
                 self.connects += 1
-                self.refusals, self._attempting = 0, False
+                self.refusals, self._attempting = 0, 0.0
                 again = again or self.connects > 1
             elif event["event"] == zmq.EVENT_CONNECT_DELAYED:  # a connection attempt is under way
-                self._attempting = True
-            elif event["event"] == zmq.EVENT_CLOSED and self._attempting:  # ... and it failed (refused, unreachable)
-                self._attempting = False
-                self.refusals += 1
+                self._attempting = time.monotonic()
+            elif event["event"] == zmq.EVENT_CLOSED and self._attempting:  # ... and it failed: refused if at once
+                # (zmq reports a timed-out or unreachable attempt the same way, but only after seconds)
+                refused = time.monotonic() - self._attempting <= REFUSED_WITHIN_S
+                self.refusals = self.refusals + 1 if refused else 0
+                self._attempting = 0.0
         return again
 
     def silent_for(self, now: float) -> float:

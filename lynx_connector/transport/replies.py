@@ -122,15 +122,18 @@ class ReplyHandlers:
     def _on_monitor(self, peer: PeerLink) -> None:
         """zmq's events on the connection to ``peer``: connected again by itself (whoever answers there now, P
         restarted on the same address?, gets a full handshake before any answer is trusted), or its attempts to
-        connect failed at once GONE_REFUSALS times in a row: nothing listens on that P's port, so the P process
-        that issued the tickets D pulls or owes Dones for is gone (killed, or stopped without closing in order; a
-        P listens from before it issues its first ticket until it closes), and so is its staging. A partition
-        leaves the attempts pending instead (no refusal): those pulls wait as before."""
+        connect were refused GONE_REFUSALS times in a row (each failed within REFUSED_WITHIN_S: `PeerLink`):
+        nothing listens on that P's port, so the P process that issued the tickets D pulls is gone (killed, or
+        stopped without closing in order; a P listens from before it issues its first ticket until it closes),
+        and so is its staging. An attempt that hangs (a partition, a crashed host) is no refusal: those pulls wait
+        as before. What P said before it went (its goodbye) is read first."""
         if peer.reconnected():
             self._reconnect(peer, time.monotonic(), why="connection re-established by zmq")
         elif peer.refusals >= GONE_REFUSALS:
-            self._peers_gone += 1
-            self._end_peer(peer, "went away (its side-channel port refuses connections)")
+            self._drain_peer(peer)  # a goodbye queued beside the refusals: P shut down, it did not vanish
+            if self._peers.get(peer.addr) is peer:
+                self._peers_gone += 1
+                self._end_peer(peer, "went away (its side-channel port refuses connections)")
 
     def _on_closing(self, peer: PeerLink) -> None:
         """P is shutting down (its sealed ``Error("closing")``, docs/PROTOCOL.md section 9)."""
@@ -140,28 +143,22 @@ class ReplyHandlers:
 
     def _end_peer(self, peer: PeerLink, what: str) -> None:
         """A P that shut down or went away: its staging went with it, so every pull still reading from it fails
-        now, not at its deadline, no Done is owed to it (none could be acknowledged), and the next pull from its
-        address handshakes afresh. Pulls read whole are kept."""
-        failing = [p for p in self._pulls_of(peer) if p.pending]
+        now, not at its deadline, and no Done is owed for its transfers (none could be acknowledged). Pulls read
+        whole are kept. Until a P handshakes at that address again, D connects there only for a new pull."""
+        failing = sum(1 for p in self._pulls_of(peer) if p.pending)
         (logger.info if failing else logger.debug)(
-            "lynx sink: prefill instance %s %s: %d pull(s) from it fail now", peer.name, what, len(failing))
-        for pull in self._pulls_of(peer):
-            pull.done_sent = True
-            if pull.pending:
-                self._fail(pull, f"prefill instance {peer.name} {what} while transfer {pull.transfer_id[:8]}… "
-                           f"of {pull.req_id!r} was pulled from it")
+            "lynx sink: prefill instance %s %s: %d pull(s) from it fail now", peer.name, what, failing)
+        self._fail_peer(peer, f"prefill instance {peer.name} {what} while this request was pulled from it",
+                        owe_done=False)
         self._courier.forget(peer.addr)
         if len(self._closed_addrs) >= MAX_CLOSED_ADDRS:
             self._closed_addrs.pop(next(iter(self._closed_addrs)))
         self._closed_addrs[peer.addr] = time.monotonic() + (peer.lease_s or self.config.lease_s)
-        peer.state = "failed"
-        del self._peers[peer.addr]
-        self._drop_peer_resources(peer)
 
     def _said_closing(self, addr: Any) -> bool:
-        """The P at ``addr`` said it was shutting down, no P there has handshaken since, and its lease has not run
-        out: a Done to it frees nothing (its staging went with it) and could never be acknowledged, so none is
-        owed. (A P restarted there frees by its lease what D discards before their first handshake.)"""
+        """The P at ``addr`` shut down or went away, no P there has handshaken since, and its lease has not run
+        out: a Done owed there (a discard, perhaps of a P restarted at that address) waits for the next handshake
+        there (`DoneCourier.resume`) instead of connecting to a port nobody may listen on."""
         until = self._closed_addrs.get(addr)
         if until is None:
             return False

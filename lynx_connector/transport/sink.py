@@ -383,11 +383,9 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
 
     def _owe_done(self, addr: Addr, ticket: tuple[str, str], connect: bool = False,
                   measure: Measure = NO_MEASURE) -> None:
-        if self._said_closing(addr):  # that P's staging is gone: nothing to free, nobody to acknowledge
-            return
         self._courier.owe(addr, ticket, time.monotonic(), measure)
         peer = self._peers.get(addr)
-        if peer is None and connect:
+        if peer is None and connect and not self._said_closing(addr):
             peer = self._connect(addr)  # sent once the session is up (None: nothing owed, see _connect)
         if peer is not None:
             peer.send(done_frame(ticket, measure))
@@ -470,18 +468,20 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         self._finish(pull)
         self._publish(events)
 
-    def _fail_peer(self, peer: PeerLink | None, error: str) -> None:
-        """Fail every pull from a peer and drop it from the cache (the next pull re-handshakes)."""
+    def _fail_peer(self, peer: PeerLink | None, error: str, owe_done: bool = True) -> None:
+        """Fail every pull from a peer and drop it from the cache (the next pull re-handshakes). ``owe_done``:
+        tell P to free (best effort: P frees now if it is alive, else its lease does); not to a P that is gone."""
         if peer is None or self._peers.get(peer.addr) is not peer or peer.state == "failed":
             return
         peer.state = "failed"
         for pull in self._pulls_of(peer):
-            self._send_done(pull)  # best effort: P frees now if it is alive (else its lease does)
+            if owe_done:
+                self._send_done(pull)
             pull.done_sent = True
             if pull.pending:
                 self._fail(pull, error)
         del self._peers[peer.addr]
-        self._drop_peer_resources(peer, linger_ms=100)
+        self._drop_peer_resources(peer, linger_ms=100 if owe_done else 0)
 
     def _drop_peer_resources(self, peer: PeerLink, linger_ms: int = 0) -> None:
         peer.close(linger_ms)

@@ -360,6 +360,10 @@ class TransferSource(SourceAnswers, SideChannelServer):
         self._stop = True
         self._waker.wake()
         self._thread.join(timeout=5.0)
+        if self._thread.is_alive():  # stuck: its socket is not ours to close (zmq sockets are not thread-safe)
+            logger.warning("lynx source %s: its service thread did not stop within 5 s; its socket and NIXL agent "
+                           "are left to the process's exit", self.name)
+            return
         # the goodbyes of the service thread's last pass leave within GOODBYE_LINGER_MS, or not at all
         self._sock.close(linger=GOODBYE_LINGER_MS if self._told_closing else 0)
         if self._told_closing:

@@ -82,7 +82,7 @@ class ControlTimers:
             if pull.sent_at is not None:
                 timers.append(pull.sent_at + cfg.resend_s)
         for addr, ticket, measure in self._courier.due(now):  # Dones P has not acknowledged yet
-            peer = self._peers.get(addr) or self._connect(addr)
+            peer = self._peers.get(addr) or (None if self._said_closing(addr) else self._connect(addr))
             if peer is not None:
                 peer.send(done_frame(ticket, measure))  # sent once the session is up
         nxt = self._courier.next_time()

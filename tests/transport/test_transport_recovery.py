@@ -41,11 +41,11 @@ def drop_replies(src: TransferSource, should_drop) -> list[str]:
     dropped: list[str] = []
     real = src._reply_sealed
 
-    def reply(ident: bytes, sess, msg: proto.Message) -> None:
+    def reply(ident: bytes, sess, msg: proto.Message, **kw) -> bool:
         if should_drop(msg):
             dropped.append(type(msg).__name__)
-            return
-        real(ident, sess, msg)
+            return False
+        return real(ident, sess, msg, **kw)
 
     src._reply_sealed = reply  # type: ignore[method-assign]
     return dropped
@@ -148,9 +148,12 @@ def test_paused_p_then_resumed_serves_everything(pair) -> None:
     wait_for(lambda: src.stats()["requests_live"] == 0)
 
 
-def test_restarted_p_on_the_same_port_is_handshaken_again(fabric: FakeFabric) -> None:
+def test_restarted_p_on_the_same_port_is_handshaken_again(fabric: FakeFabric, monkeypatch) -> None:
     """P dies and a new P binds the same port: zmq reconnects by itself, D sees it (socket monitor) and handshakes
     again before it trusts an answer, so every pull after the restart succeeds, the first one too."""
+    from lynx_connector.transport import replies
+
+    monkeypatch.setattr(replies, "GONE_REFUSALS", 10**9)  # a P down for a moment, not yet taken as gone
     cfg = TransportConfig(**CFG, timeout_s=3.0)
     src = TransferSource(cfg, COMPAT, nixl=FakeNixlWrapper(fabric, "P1"))
     sink = TransferSink(TransportConfig(**CFG, timeout_s=3.0, resend_s=0.2, reconnect_s=0.8), COMPAT,
@@ -160,6 +163,7 @@ def test_restarted_p_on_the_same_port_is_handshaken_again(fabric: FakeFabric) ->
         pull(sink, src, "a")
         assert all(e.ok for e in collect(sink, 2))
         port = src.address[1]
+        monkeypatch.setattr(src, "_say_goodbye", lambda: 0)  # it dies without a word (killed)
         src.close()
         src = TransferSource(TransportConfig(**{**CFG, "timeout_s": 3.0, "port": port}), COMPAT,
                              nixl=FakeNixlWrapper(fabric, "P2"))
@@ -169,7 +173,7 @@ def test_restarted_p_on_the_same_port_is_handshaken_again(fabric: FakeFabric) ->
             pull(sink, src, f"b{i}")
             results.append(all(e.ok for e in collect(sink, 2, timeout=8.0)))
         assert results == [True, True, True], results
-        assert sink.stats()["pulls_live"] == 0
+        assert sink.stats()["pulls_live"] == 0 and sink.stats()["reconnects"] >= 1
     finally:
         sink.close()
         src.close()
@@ -555,9 +559,9 @@ def test_a_closing_p_fails_d_pulls_from_it_at_once_and_nothing_is_owed(fabric: F
         st = sink.stats()
         assert (st["peer_closed"], st["dones_owed"], st["pulls_live"], st["peers"]) == (1, 0, 0, 0), st
         sink.discard("127.0.0.1", port, "ab" * 16, "cd" * 16)  # the worker discarding a ticket of that P
-        time.sleep(0.2)
+        time.sleep(0.5)
         st = sink.stats()
-        assert (st["dones_owed"], st["peers"]) == (0, 0), st  # owed to nobody, no connection to the dead port
+        assert (st["dones_owed"], st["peers"]) == (1, 0), st  # owed until a P handshakes there: no connection
         for req in ("whole", "never", "writing"):
             sink.pool.free_request(req)
         assert sink.pool.regions_live == 0
@@ -589,8 +593,8 @@ def test_p_tells_only_live_sessions_it_is_closing_and_logs_nothing_for_gone_ones
 def test_a_p_gone_without_a_word_fails_d_pulls_once_its_port_refuses(fabric: FakeFabric, monkeypatch) -> None:
     """P stops without closing in order (killed, or vLLM's abort mode): no goodbye. Its port then refuses D's
     reconnection attempts, which zmq reports at once: after GONE_REFUSALS of them D takes that P as gone and fails
-    its waiting pulls (not at their 30 s deadline), owing it no Done. A P paused or cut off by a partition leaves
-    the attempts pending instead (test_paused_p_then_resumed_serves_everything)."""
+    its waiting pulls (not at their 30 s deadline), owing it no Done. (An attempt that hangs, as across a
+    partition, or fails only after REFUSED_WITHIN_S is no refusal: test_a_slow_failed_attempt_is_no_refusal.)"""
     src = TransferSource(TransportConfig(**CFG, timeout_s=30.0), COMPAT, nixl=FakeNixlWrapper(fabric, "P1"))
     sink = TransferSink(TransportConfig(**CFG, timeout_s=30.0, resend_s=0.2), COMPAT,
                         nixl=FakeNixlWrapper(fabric, "D"))
@@ -619,3 +623,108 @@ def test_an_abandoned_request_that_p_aborts_is_forgotten(pair) -> None:
     assert "r1" in src._abandoned
     src.abort("r1")
     assert "r1" not in src._abandoned and not src.take_abandoned("r1")
+
+
+def test_a_slow_failed_attempt_is_no_refusal(monkeypatch) -> None:
+    """zmq reports every failed connection attempt as CONNECT_DELAYED then CLOSED, whatever the cause. Only one
+    that fails within REFUSED_WITHIN_S counts as refused (nothing listens: that P is gone); one that times out
+    (a partition, a crashed host) resets the count, and a connection resets it too."""
+    import zmq
+
+    from lynx_connector.transport import link
+
+    clock = [100.0]
+    script: list[int] = []
+
+    def next_event(_sock, _flags=0):
+        if not script:
+            raise zmq.Again()
+        return {"event": script.pop(0), "value": 0, "endpoint": b""}
+
+    monkeypatch.setattr(link, "recv_monitor_message", next_event)
+    monkeypatch.setattr(link.time, "monotonic", lambda: clock[0])
+    ctx, poller = zmq.Context(), zmq.Poller()
+    peer = link.PeerLink(ctx, poller, ("127.0.0.1", 9), 1 << 16, TEST_KEY)
+    try:
+        def attempt(seconds: float) -> None:
+            script.append(zmq.EVENT_CONNECT_DELAYED)
+            peer.reconnected()
+            clock[0] += seconds
+            script.append(zmq.EVENT_CLOSED)
+            peer.reconnected()
+
+        attempt(0.01)
+        assert peer.refusals == 1
+        attempt(5.0)  # timed out: says nothing of the P process
+        assert peer.refusals == 0
+        attempt(0.01)
+        attempt(0.01)
+        assert peer.refusals == 2
+        script.append(zmq.EVENT_CONNECTED)
+        peer.reconnected()
+        assert peer.refusals == 0
+        script.append(zmq.EVENT_CLOSED)  # a CLOSED with no attempt under way is not one
+        peer.reconnected()
+        assert peer.refusals == 0
+    finally:
+        peer.close()
+        ctx.term()
+
+
+def test_a_goodbye_read_late_still_counts_as_a_shutdown(fabric: FakeFabric) -> None:
+    """D's service thread busy for 0.5 s while P closes in order: P's goodbye and zmq's refusals wait side by side.
+    The goodbye is read first: a shutdown (peer_closed), not a P that vanished."""
+    import threading
+
+    src = TransferSource(TransportConfig(**CFG, timeout_s=30.0), COMPAT, nixl=FakeNixlWrapper(fabric, "P1"))
+    sink = TransferSink(TransportConfig(**CFG, timeout_s=30.0), COMPAT, nixl=FakeNixlWrapper(fabric, "D"))
+    try:
+        pull(sink, src, "never")
+        wait_for(lambda: sink.stats()["handshakes"] == 1)
+        gate, real = threading.Lock(), sink._serve_once
+
+        def gated() -> None:
+            with gate:
+                real()
+
+        sink._serve_once = gated  # type: ignore[method-assign]
+        time.sleep(0.05)
+        with gate:
+            src.close()
+            time.sleep(0.5)
+        evs = collect(sink, 2, timeout=5.0)
+        assert all("shut down" in e.error for e in evs), [e.error for e in evs]
+        assert (sink.stats()["peer_closed"], sink.stats()["peer_gone"]) == (1, 0)
+        sink.pool.free_request("never")
+    finally:
+        sink.close()
+        src.close()
+
+
+def test_a_done_owed_to_a_closed_address_waits_for_the_next_handshake_there(fabric: FakeFabric) -> None:
+    """After P1 shut down, D does not connect to its address for a Done (nobody may listen there), but a Done it
+    owes there (a discard of a ticket P2, restarted on that port, issued) is sent once D handshakes with P2."""
+    src = TransferSource(TransportConfig(**CFG, timeout_s=30.0), COMPAT, nixl=FakeNixlWrapper(fabric, "P1"))
+    sink = TransferSink(TransportConfig(**CFG, timeout_s=30.0, resend_s=0.2), COMPAT,
+                        nixl=FakeNixlWrapper(fabric, "D"))
+    try:
+        pull(sink, src, "never")
+        wait_for(lambda: sink.stats()["handshakes"] == 1)
+        port = src.address[1]
+        src.close()
+        collect(sink, 2)
+        sink.pool.free_request("never")
+        src = TransferSource(TransportConfig(**{**CFG, "timeout_s": 30.0, "port": port}), COMPAT,
+                             nixl=FakeNixlWrapper(fabric, "P2"))
+        stage(src, "x", 3000, 2000)
+        sink.discard(*src.address, *src.ticket("x"))  # D's request ended before its pull started
+        time.sleep(0.5)
+        assert (sink.stats()["peers"], src.stats()["requests_live"]) == (0, 1)  # no connection yet
+        stage(src, "y", 3000, 2000)
+        pull(sink, src, "y")  # the next pull handshakes with P2: the Done owed there goes too
+        assert all(e.ok for e in collect(sink, 2))
+        wait_for(lambda: src.stats()["freed_done"] == 2 and src.stats()["requests_live"] == 0)
+        wait_for(lambda: sink.stats()["dones_owed"] == 0)
+    finally:
+        sink.close()
+        src.close()

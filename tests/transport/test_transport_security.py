@@ -387,8 +387,8 @@ def test_an_unsealed_error_inside_a_session_is_ignored(src: TransferSource, sink
     real = src._reply_sealed
     injected = [0]
 
-    def reply(ident, sess, msg):  # P's real answer, then a forged plain Error on the same connection
-        ok = real(ident, sess, msg)
+    def reply(ident, sess, msg, **kw):  # P's real answer, then a forged plain Error on the same connection
+        ok = real(ident, sess, msg, **kw)
         if isinstance(msg, proto.Regions) and not injected[0]:
             injected[0] = 1
             src._reply_plain(ident, proto.Error(v=proto.VERSION, code="boom", message="forged"))
