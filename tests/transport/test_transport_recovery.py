@@ -590,17 +590,24 @@ def test_p_tells_only_live_sessions_it_is_closing_and_logs_nothing_for_gone_ones
     assert src._told_closing == 0 and src.counters["replies_dropped"] == dropped
 
 
+def waiting_on_p1(fabric: FakeFabric) -> tuple[TransferSource, TransferSink]:
+    """P1 and a D (both with a 30 s deadline) whose pull "never" (P1 expects it, never stages it) waits on P1 in a
+    session."""
+    src = TransferSource(TransportConfig(**CFG, timeout_s=30.0), COMPAT, nixl=FakeNixlWrapper(fabric, "P1"))
+    sink = TransferSink(TransportConfig(**CFG, timeout_s=30.0, resend_s=0.2), COMPAT,
+                        nixl=FakeNixlWrapper(fabric, "D"))
+    pull(sink, src, "never")
+    wait_for(lambda: sink.stats()["handshakes"] == 1)
+    return src, sink
+
+
 def test_a_p_gone_without_a_word_fails_d_pulls_once_its_port_refuses(fabric: FakeFabric, monkeypatch) -> None:
     """P stops without closing in order (killed, or vLLM's abort mode): no goodbye. Its port then refuses D's
     reconnection attempts, which zmq reports at once: after GONE_REFUSALS of them D takes that P as gone and fails
     its waiting pulls (not at their 30 s deadline), owing it no Done. (An attempt that hangs, as across a
     partition, or fails only after REFUSED_WITHIN_S is no refusal: test_a_slow_failed_attempt_is_no_refusal.)"""
-    src = TransferSource(TransportConfig(**CFG, timeout_s=30.0), COMPAT, nixl=FakeNixlWrapper(fabric, "P1"))
-    sink = TransferSink(TransportConfig(**CFG, timeout_s=30.0, resend_s=0.2), COMPAT,
-                        nixl=FakeNixlWrapper(fabric, "D"))
+    src, sink = waiting_on_p1(fabric)
     try:
-        pull(sink, src, "never")
-        wait_for(lambda: sink.stats()["handshakes"] == 1)
         monkeypatch.setattr(src, "_say_goodbye", lambda: 0)  # as if killed: nothing is said
         src.close()
         evs = collect(sink, 2, timeout=5.0)
@@ -676,11 +683,8 @@ def test_a_goodbye_read_late_still_counts_as_a_shutdown(fabric: FakeFabric) -> N
     The goodbye is read first: a shutdown (peer_closed), not a P that vanished."""
     import threading
 
-    src = TransferSource(TransportConfig(**CFG, timeout_s=30.0), COMPAT, nixl=FakeNixlWrapper(fabric, "P1"))
-    sink = TransferSink(TransportConfig(**CFG, timeout_s=30.0), COMPAT, nixl=FakeNixlWrapper(fabric, "D"))
+    src, sink = waiting_on_p1(fabric)
     try:
-        pull(sink, src, "never")
-        wait_for(lambda: sink.stats()["handshakes"] == 1)
         gate, real = threading.Lock(), sink._serve_once
 
         def gated() -> None:
@@ -704,12 +708,8 @@ def test_a_goodbye_read_late_still_counts_as_a_shutdown(fabric: FakeFabric) -> N
 def test_a_done_owed_to_a_closed_address_waits_for_the_next_handshake_there(fabric: FakeFabric) -> None:
     """After P1 shut down, D does not connect to its address for a Done (nobody may listen there), but a Done it
     owes there (a discard of a ticket P2, restarted on that port, issued) is sent once D handshakes with P2."""
-    src = TransferSource(TransportConfig(**CFG, timeout_s=30.0), COMPAT, nixl=FakeNixlWrapper(fabric, "P1"))
-    sink = TransferSink(TransportConfig(**CFG, timeout_s=30.0, resend_s=0.2), COMPAT,
-                        nixl=FakeNixlWrapper(fabric, "D"))
+    src, sink = waiting_on_p1(fabric)
     try:
-        pull(sink, src, "never")
-        wait_for(lambda: sink.stats()["handshakes"] == 1)
         port = src.address[1]
         src.close()
         collect(sink, 2)
