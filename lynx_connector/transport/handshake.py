@@ -22,7 +22,7 @@ from lynx_connector.transport import protocol as proto
 
 logger = init_logger(__name__)
 
-__all__ = ["SideChannelServer", "PendingHandshakes", "MAX_SESSIONS", "MAX_PENDING", "MAX_PENDING_PER_HOST"]
+__all__ = ["SideChannelServer", "PendingHandshakes", "peer_host", "MAX_SESSIONS", "MAX_PENDING", "MAX_PENDING_PER_HOST"]
 
 MAX_SESSIONS = 1024  # authenticated sessions kept (least recently used dropped first)
 MAX_PENDING = 4096  # handshakes between Challenge and Auth kept (oldest dropped first; D tries again)
@@ -155,9 +155,9 @@ class SideChannelServer:
         self._log.warn(kind, why)
         self._reply_plain(ident, proto.Error(v=proto.VERSION, code="refused", message="refused"))
 
-    def _handle(self, frames: list[bytes], host: str = "") -> None:
-        """One message from the ROUTER; ``host``: the peer's address as zmq saw it (a Hello's handshake counts
-        against that host's share of the pending handshakes)."""
+    def _handle(self, frames: list[bytes], origin: zmq.Frame | None = None) -> None:
+        """One message from the ROUTER; ``origin``: its last frame as zmq received it, asked for the peer's address
+        only for a Hello (its handshake counts against that host's share of the pending handshakes)."""
         ident = frames[0]
         if len(frames) != 2:
             self._refuse(ident, "malformed", "frames", f"rejected a message with {len(frames) - 1} frames")
@@ -184,7 +184,7 @@ class SideChannelServer:
         if not isinstance(msg, proto.Hello):
             self._refuse(ident, "refused", "no_session", f"refused a {type(msg).__name__} outside a session")
             return
-        self._on_hello(ident, msg, host)
+        self._on_hello(ident, msg, "" if origin is None else peer_host(origin))
 
     def _on_hello(self, ident: bytes, msg: proto.Hello, host: str = "") -> None:
         pending = self._pending.get(ident)
@@ -269,3 +269,11 @@ class SideChannelServer:
         return proto.HelloOk(v=proto.VERSION, agent_name=self.name, agent_md=self._md, pool_addr=self.pool.base_addr,
                              pool_nbytes=self.pool.nbytes, compat_hash=self.compat_hash, session_id=sess.session_id,
                              lease_s=self.config.lease_s)
+
+
+def peer_host(frame: zmq.Frame) -> str:
+    """The address of the peer a frame came from, as zmq saw it ("" when it does not say)."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, ValueError, TypeError):
+        return ""

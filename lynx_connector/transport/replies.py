@@ -22,7 +22,8 @@ __all__ = ["KEY_HINT", "ReplyHandlers"]
 #: Handshakes P refuses in a row before D takes it as final (a wrong key, an incompatible peer): one refusal can
 #: be P dropping a pending handshake under a flood of Hellos (handshake.py MAX_PENDING), not a verdict.
 AUTH_RETRIES = 3
-#: Addresses of Ps that shut down or went away, remembered (no Done owed there) until one handshakes again.
+#: Addresses of Ps that shut down or went away, remembered (D connects there only for a pull, not for a Done)
+#: until a P handshakes there again or the lease runs out.
 MAX_CLOSED_ADDRS = 1024
 #: Connection attempts to a P that fail at once, in a row, before D takes that P as gone.
 GONE_REFUSALS = 2

@@ -111,7 +111,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
             self._lease_lost = 0  # pulls P answered as gone (KeepAlive) while they were being read
             self._peers_closed = 0  # P peers that said they were shutting down (Error "closing")
             self._peers_gone = 0  # ... and that went away without a word (their side-channel port refuses)
-            self._closed_addrs: dict[Addr, float] = {}  # their addresses -> until when no Done is owed there
+            self._closed_addrs: dict[Addr, float] = {}  # their addresses -> until when no Done connects there
             self._log = RateLimitedLog("lynx sink")  # frames that are not P's (unsealed errors in a session)
             self._keepalives = 0
             self._pipelined = 0  # pulls whose transfer started while P was still publishing layers

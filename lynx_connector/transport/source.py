@@ -427,7 +427,7 @@ class TransferSource(SourceAnswers, SideChannelServer):
             self._status.maybe_write()
         try:
             self._told_closing = self._say_goodbye()
-        except Exception:  # closing goes on: D's pulls then fail at their deadline
+        except Exception:  # closing goes on: each D learns it when P's port refuses its connections
             logger.exception("lynx source: telling the decode instances it is closing failed")
 
     def _has_published(self) -> bool:
@@ -474,12 +474,5 @@ class TransferSource(SourceAnswers, SideChannelServer):
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._handle([f.bytes for f in frames], _peer_host(frames[-1]))
+            self._handle([f.bytes for f in frames], frames[-1])
 
-
-def _peer_host(frame: zmq.Frame) -> str:
-    """The address of the peer a frame came from, as zmq saw it ("" when it does not say)."""
-    try:
-        return str(frame.get("Peer-Address"))
-    except (zmq.ZMQError, ValueError, TypeError):
-        return ""
