@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lynx_connector.limits import MAX_SECONDS
+from lynx_connector.limits import MAX_SECONDS, advertised_host_problem
 from lynx_connector.logger import init_logger
 from lynx_connector.modes import (
     AUTO_MODE,
@@ -53,8 +53,14 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 64 else text[:60] + "..."
 
 
+def _is_null(value: Any) -> bool:
+    """Whether a value means "not set" (the key's default): JSON null, or as text (dotted CLI keys, YAML) an empty
+    string, ``none`` or ``null`` in any case. Every key that can be unset reads it so."""
+    return value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null"))
+
+
 def _as_float(key: str, value: Any, *, minimum: float | None = None, allow_none: bool = False) -> float | None:
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+    if _is_null(value):
         if allow_none:
             return None
         raise LynxConfigError(f"{key}: a number is required")
@@ -138,7 +144,8 @@ class LynxConfig:
     window_bytes: int = 8 << 20
     #: Staging memory registered with NIXL once, per worker, MiB.
     staging_mb: int = 256
-    #: P's side channel (zmq): the address P binds and tells D through kv_transfer_params (one D can reach).
+    #: P's side channel (zmq): the address P binds and tells D through kv_transfer_params (one D can reach: an
+    #: IPv4 address or a host name; a wildcard such as 0.0.0.0, a host:port, a URL or IPv6 is a start-up error).
     side_channel_host: str = "127.0.0.1"
     #: P's side-channel port (rank r of a TP group uses port + r); 0 picks a free port, told to D the same way.
     side_channel_port: int = 0
@@ -167,7 +174,7 @@ class LynxConfig:
     #: unauthenticated, anyone who reaches P's port can read staged KV. Local tests only; logged as a warning.
     insecure_side_channel: bool = False
     #: The transfer modes a request may ask for (``lynx_mode``): mode names or ``auto`` (a list, or a
-    #: comma-separated string; ``all`` = every mode and auto). Empty = the full-precision modes (full,
+    #: comma-separated string; ``all`` = every mode and auto). Omitted or null = the full-precision modes (full,
     #: speculative, bf16), auto, plus ``mode``. P refuses a request for another mode (400 through the proxy); D
     #: refuses params naming one. ``auto`` chooses only among the allowed full-precision modes.
     allowed_modes: tuple[str, ...] = ()
@@ -237,6 +244,9 @@ class LynxConfig:
             raise LynxConfigError(
                 f"window_bytes ({self.window_bytes}) must be >= chunk_bytes ({self.chunk_bytes})"
             )
+        problem = advertised_host_problem(self.side_channel_host)
+        if problem:
+            raise LynxConfigError(f"side_channel_host: {problem}; got {_shown(self.side_channel_host)}")
         if self.fault_injection is not None and self.fault_injection not in FAULT_INJECTIONS:
             raise LynxConfigError(f"fault_injection: expected {' or '.join(map(repr, FAULT_INJECTIONS))} or none, "
                                   f"got {self.fault_injection!r}")
@@ -248,11 +258,16 @@ class LynxConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
                 raise LynxConfigError(f"{name}: must be > 0 and <= {MAX_SECONDS:g} seconds, got {value!r}")
+        from lynx_connector.transport.config import lease_problem  # the transport package loads torch, zmq
+
         if self.lease_s is None and self.effective_lease_s > MAX_SECONDS:
             raise LynxConfigError(
                 f"link_gbps={self.link_gbps:g} with staging_mb={self.staging_mb}: a full staging pool takes longer to "
                 f"drain than any lease may be ({MAX_SECONDS:g} s; P's lease defaults to 1.25x the drain time): raise "
                 f"link_gbps or lower staging_mb")
+        problem = lease_problem(self.lease_s, self.staging_mb << 20, self.link_gbps)
+        if problem:
+            raise LynxConfigError(problem)
 
     def _check_codec_options(self) -> None:
         """Build the Lynx codec with ``codec_options`` once, whatever the instance's own mode: a request may ask for
@@ -309,7 +324,7 @@ class LynxConfig:
         kw: dict[str, Any] = {}
         if "mode" in extra:
             kw["mode"] = str(extra["mode"]).strip().lower()
-        if "codec_options" in extra:
+        if not _is_null(extra.get("codec_options")):
             kw["codec_options"] = _as_codec_options(extra["codec_options"])
         if "link_gbps" in extra:
             gbps = _as_float("link_gbps", extra["link_gbps"], allow_none=True)
@@ -327,27 +342,22 @@ class LynxConfig:
             if key in extra:
                 kw[key] = _as_float(key, extra[key], minimum=lo, allow_none=key == "lease_s")
         if "side_channel_host" in extra:
-            host = str(extra["side_channel_host"]).strip()
-            if not host:
-                raise LynxConfigError("side_channel_host: must not be empty")
-            kw["side_channel_host"] = host
-        if "status_dir" in extra:
-            sd = extra["status_dir"]
-            kw["status_dir"] = None if sd in (None, "") else str(sd)
+            kw["side_channel_host"] = str(extra["side_channel_host"]).strip()
+        if not _is_null(extra.get("status_dir")):
+            kw["status_dir"] = str(extra["status_dir"])
         for key in ("insecure_side_channel", "report_speculation", "layerwise"):
             if key in extra:
                 kw[key] = _as_bool(key, extra[key])
-        if extra.get("auto_speculative") not in (None, "", "null", "none"):
+        if not _is_null(extra.get("auto_speculative")):
             kw["auto_speculative"] = _as_bool("auto_speculative", extra["auto_speculative"])
         if "transfer_order" in extra:
             kw["transfer_order"] = str(extra["transfer_order"]).strip().lower()
-        if "allowed_modes" in extra:
+        if not _is_null(extra.get("allowed_modes")):
             kw["allowed_modes"] = _as_modes("allowed_modes", extra["allowed_modes"])
         if "params_ttl_s" in extra:
             kw["params_ttl_s"] = _as_float("params_ttl_s", extra["params_ttl_s"], minimum=1.0, allow_none=True)
-        if "fault_injection" in extra:
-            fi = extra["fault_injection"]
-            kw["fault_injection"] = None if fi in (None, "", "none") else str(fi)
+        if not _is_null(extra.get("fault_injection")):
+            kw["fault_injection"] = str(extra["fault_injection"])
         return cls(**kw)
 
     def transport_config(self, tp_rank: int, key: bytes | None, endpoint: str) -> TransportConfig:

@@ -8,4 +8,33 @@ start-up, naming the setting, instead of failing every transfer at run time.
 
 from __future__ import annotations
 
+import ipaddress
+import re
+
 MAX_SECONDS = 1e6
+
+#: A host D can connect to over zmq: a DNS name or IPv4 address (labels of letters, digits, inner hyphens or
+#: underscores, as container names have), or an IPv6 address in brackets (with a %zone). zmq refuses some others
+#: at connect (".", "-", "_", "a b", "*"). D checks every P address it is handed against it; P's
+#: ``side_channel_host`` (which P binds and tells D) is checked against it at start-up.
+PEER_HOST = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9])?"
+                       r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)*"
+                       r"|\[[0-9A-Fa-f:.]{2,45}(?:%[A-Za-z0-9_.-]{1,32})?\]")
+
+
+def advertised_host_problem(host: str) -> str | None:
+    """Why ``host`` cannot be the side-channel address P binds and tells D, or None when it can: it must be one
+    address D connects to (not a wildcard such as ``0.0.0.0``, not a URL or ``host:port``), and IPv4 or a name
+    (P's zmq socket is not opened for IPv6)."""
+    if not PEER_HOST.fullmatch(host):
+        return ("expected a host name or IPv4 address that D connects to (no scheme, no port: the port is "
+                "side_channel_port)")
+    if host.startswith("["):
+        return "IPv6 is not supported on the side channel: use an IPv4 address or a host name"
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if addr.is_unspecified:
+        return "a wildcard address is where P listens, not one D can reach: use this host's address (e.g. the pod IP)"
+    return None

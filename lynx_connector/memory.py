@@ -124,9 +124,9 @@ def memory_args(argv: Sequence[str], environ: Mapping[str, str], *, device: str,
     machine's memory ``total_bytes`` (CPU); [] when the user chose."""
     if device not in ("cpu", "cuda"):
         return []
-    n = servers_per_device(environ)
     if user_chose_memory(argv, environ, device) is not None:
         return []
+    n = servers_per_device(environ)  # read only when used: a bad value beside the user's own choice is no error
     if device == "cpu":
         return ["--kv-cache-memory-bytes", str(cpu_kv_cache_bytes(total_bytes, n))]
     util = gpu_memory_utilization(n)

@@ -17,6 +17,7 @@ call :func:`main` only under ``if __name__ == "__main__":`` (the ``lynx`` consol
 from __future__ import annotations
 
 import importlib.metadata as importlib_metadata
+import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 
@@ -81,6 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``lynx serve ARGV...`` == ``vllm serve ARGV...`` plus the memory defaults of
     :mod:`lynx_connector.memory` when ARGV and the environment choose none."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("lynx serve: vLLM is not installed; install lynx-connector with the extra of this machine: "
+                         "pip install 'lynx-connector[cpu]' (or [gpu])")
     patch_vllm_version()  # before vLLM detects its platform
     from lynx_connector.memory import MemoryConfigError, with_memory_defaults
 

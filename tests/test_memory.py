@@ -60,6 +60,9 @@ def test_a_choice_in_a_config_file_or_the_cpu_environment_is_kept(tmp_path: Path
 def test_a_bad_server_count_is_a_clear_error(bad) -> None:
     with pytest.raises(MemoryConfigError, match=rf"LYNX_SERVERS_PER_DEVICE='{bad}'.*whole number >= 1"):
         memory_args(ARGV, {memory.SERVERS_ENV: bad}, device="cpu", total_bytes=64 * GiB)
+    # unused when the user chose the memory: no error for a variable that changes nothing
+    assert memory_args([*ARGV, "--gpu-memory-utilization", "0.5"], {memory.SERVERS_ENV: bad}, device="cuda",
+                       total_bytes=0) == []
 
 
 def test_machine_memory_is_the_cgroup_limit_when_lower(tmp_path: Path) -> None:
@@ -113,4 +116,9 @@ def test_lynx_serve_appends_them_on_this_cpu_machine(monkeypatch: pytest.MonkeyP
     assert seen == [["serve", ARGV[0], "--kv-cache-memory-bytes", str(want), *ARGV[1:]]]
     monkeypatch.setenv(memory.SERVERS_ENV, "none")
     with pytest.raises(SystemExit, match="lynx serve: LYNX_SERVERS_PER_DEVICE='none'"):
+        serve.main(ARGV)
+    # without vLLM (the package installed with no extra) a clear message, not a ModuleNotFoundError traceback
+    real_find_spec = serve.importlib.util.find_spec
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: None if name == "vllm" else real_find_spec(name))
+    with pytest.raises(SystemExit, match=r"lynx serve: vLLM is not installed.*lynx-connector\[cpu\]"):
         serve.main(ARGV)

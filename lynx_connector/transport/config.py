@@ -21,6 +21,24 @@ def drain_seconds(pool_bytes: int, link_gbps: float | None) -> float | None:
     return None if link_gbps is None else pool_bytes / (link_gbps * 1e9 / 8.0)
 
 
+def lease_problem(lease_s: float | None, pool_bytes: int, link_gbps: float | None) -> str | None:
+    """Why P's lease (``lease_s``; None: not chosen yet) cannot go with a staging pool of ``pool_bytes`` paced at
+    ``link_gbps``, or None: a full pool must drain within the longest lease, and within the lease P runs with
+    (else P could free staging D is still reading). The config checks it at start-up; the transport again."""
+    drain_s = drain_seconds(pool_bytes, link_gbps)
+    if drain_s is None:
+        return None
+    if drain_s > MAX_SECONDS:
+        return (f"a full staging pool ({pool_bytes >> 20} MiB, staging_mb) takes {drain_s:.3g} s to drain at "
+                f"link_gbps={link_gbps:g}, more than any lease may be ({MAX_SECONDS:g} s): lower staging_mb or "
+                f"raise link_gbps")
+    if lease_s is not None and lease_s < drain_s:
+        return (f"lease_s ({lease_s:g} s) is shorter than the {drain_s:.1f} s a full staging pool "
+                f"({pool_bytes >> 20} MiB, staging_mb) takes to drain at link_gbps={link_gbps:g}: P could free "
+                f"staging that D is still reading. Raise lease_s to at least {math.ceil(drain_s)} or lower staging_mb")
+    return None
+
+
 def _positive_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"TransportConfig.{name} must be a positive int, got {value!r}")
@@ -137,17 +155,9 @@ class TransportConfig:
                 raise ValueError(f"TransportConfig.{name} must be a finite number >= 0, got {val!r}")
         if self.grace_s is not None:
             _positive_float("grace_s", self.grace_s, MAX_SECONDS)
-        drain_s = self.pool_drain_s
-        if drain_s is not None and drain_s > MAX_SECONDS:
-            raise ValueError(
-                f"a full staging pool ({self.pool_bytes >> 20} MiB, staging_mb) takes {drain_s:.3g} s to drain at "
-                f"link_gbps={self.link_gbps:g}, more than any lease may be ({MAX_SECONDS:g} s): lower staging_mb or "
-                f"raise link_gbps")
-        if drain_s is not None and self.lease_s < drain_s:
-            raise ValueError(
-                f"lease_s ({self.lease_s:g} s) is shorter than the {drain_s:.1f} s a full staging pool "
-                f"({self.pool_bytes >> 20} MiB, staging_mb) takes to drain at link_gbps={self.link_gbps:g}: P could free "
-                f"staging that D is still reading. Raise lease_s to at least {math.ceil(drain_s)} or lower staging_mb")
+        problem = lease_problem(self.lease_s, self.pool_bytes, self.link_gbps)
+        if problem:
+            raise ValueError(problem)
         tp = self.target_progress_s
         if not isinstance(tp, (int, float)) or isinstance(tp, bool) or not math.isfinite(tp) or tp < 0:
             raise ValueError(f"TransportConfig.target_progress_s must be >= 0, got {tp!r}")

@@ -1,8 +1,8 @@
 """The deployment key of the side channel (docs/PROTOCOL.md section 1), read once at start-up.
 
 ``LYNX_SIDE_CHANNEL_KEY_FILE`` names a file holding the key (a k8s Secret mounted as a file: raw bytes, or hex
-text), ``LYNX_SIDE_CHANNEL_KEY`` holds it as hex; at least 32 bytes. The file wins when both are set. Without a
-usable key start-up fails with `SideChannelKeyError`, naming both variables; the only way to run without one is
+text: whitespace and a leading ``0x`` ignored), ``LYNX_SIDE_CHANNEL_KEY`` holds it as hex (read the same way); at
+least 32 bytes. The file wins when both are set. Without a usable key start-up fails with `SideChannelKeyError`, naming both variables; the only way to run without one is
 ``insecure_side_channel: true`` in ``kv_connector_extra_config`` (local tests), logged as a warning.
 """
 
@@ -32,14 +32,28 @@ class SideChannelKeyError(ValueError):
     """The side-channel key is missing or unusable; the message says how to provide one."""
 
 
+def _hex_key(text: str) -> bytes | None:
+    """``text`` as a hex key, as both the file and the variable may hold it: whitespace anywhere (``xxd -p`` wraps
+    its lines) and one leading ``0x`` are ignored; None when what is left is not all hex digits."""
+    digits = "".join(text.split())
+    if digits[:2].lower() == "0x":
+        digits = digits[2:]
+    if not digits or not all(c in string.hexdigits for c in digits):
+        return None
+    if len(digits) % 2:
+        raise ValueError("odd")
+    return bytes.fromhex(digits)
+
+
 def parse_key_text(data: bytes, origin: str) -> bytes:
-    """A key file's content: hex text (surrounding whitespace ignored) or raw bytes."""
-    text = data.strip()
-    if text and all(chr(c) in string.hexdigits for c in text):
-        if len(text) % 2:
-            raise SideChannelKeyError(f"{origin}: hex key has an odd number of digits; {_HOW}")
-        key = bytes.fromhex(text.decode())
-    else:
+    """A key file's content: hex text (read as ``LYNX_SIDE_CHANNEL_KEY`` is, see `_hex_key`) or raw bytes."""
+    try:
+        key = _hex_key(data.decode("ascii"))
+    except UnicodeDecodeError:
+        key = None
+    except ValueError:
+        raise SideChannelKeyError(f"{origin}: hex key has an odd number of digits; {_HOW}") from None
+    if key is None:
         key = bytes(data)
     if len(key) < MIN_KEY_BYTES:
         raise SideChannelKeyError(f"{origin}: key has {len(key)} bytes, at least {MIN_KEY_BYTES} are required; {_HOW}")
@@ -66,9 +80,11 @@ def load_side_channel_key(insecure: bool = False, environ: Mapping[str, str] | N
     if not text:
         raise SideChannelKeyError(f"no side-channel key: neither {KEY_FILE_ENV} nor {KEY_ENV} is set; {_HOW}")
     try:
-        key = bytes.fromhex(text)
+        key = _hex_key(text)
     except ValueError:
-        raise SideChannelKeyError(f"{KEY_ENV} is not valid hex; {_HOW}") from None
+        key = None
+    if key is None:
+        raise SideChannelKeyError(f"{KEY_ENV} is not valid hex; {_HOW}")
     if len(key) < MIN_KEY_BYTES:
         raise SideChannelKeyError(f"{KEY_ENV} has {len(key)} bytes, at least {MIN_KEY_BYTES} are required; {_HOW}")
     return key

@@ -10,7 +10,6 @@ for the peer is kept across that (`agent`), so transfers in flight are not affec
 from __future__ import annotations
 
 import hmac
-import re
 import secrets
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from typing import NamedTuple
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from lynx_connector.limits import PEER_HOST
 from lynx_connector.logger import init_logger
 from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.events import ANCHOR, RESIDUAL
@@ -30,18 +30,12 @@ __all__ = ["Addr", "DoneCourier", "Measure", "NO_MEASURE", "PeerLink", "PullStat
            "check_ticket", "done_frame"]
 
 Addr = tuple[str, int]
-#: A host zmq can connect to: a DNS name or IPv4 address (dot-separated labels of letters, digits and inner
-#: hyphens or underscores, as container names have), or an IPv6 address in brackets (with a %zone). zmq refuses
-#: some others at connect (".", "-", "_", "a b", "*").
-_HOST = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9])?"
-                   r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)*"
-                   r"|\[[0-9A-Fa-f:.]{2,45}(?:%[A-Za-z0-9_.-]{1,32})?\]")
 
 
 def check_peer_addr(host: object, port: object) -> None:
     """Refuse (ValueError) a peer address D could not connect to, before anything is owed to it."""
-    if (not isinstance(host, str) or not _HOST.fullmatch(host) or isinstance(port, bool) or not isinstance(port, int)
-            or not 0 < port < 65536):
+    if (not isinstance(host, str) or not PEER_HOST.fullmatch(host) or isinstance(port, bool)
+            or not isinstance(port, int) or not 0 < port < 65536):
         raise ValueError(f"bad peer address {host!r}:{port!r}")
 
 

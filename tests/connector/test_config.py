@@ -30,11 +30,17 @@ def test_strings_are_parsed_as_numbers():
     ({"chunk_bytes": 1 << 20, "window_bytes": 1 << 16}, "window_bytes"),
     ({"fault_injection": "drop_everything"}, "fault_injection"),
     ({"side_channel_host": "  "}, "side_channel_host"),
+    # what P binds is also what it tells D: a wildcard, a URL, host:port or IPv6 (P's socket is IPv4) failed late
+    ({"side_channel_host": "0.0.0.0"}, "side_channel_host.*wildcard"),
+    ({"side_channel_host": "::"}, "side_channel_host"),
+    ({"side_channel_host": "10.0.0.5:5600"}, "side_channel_host.*no port"),
+    ({"side_channel_host": "tcp://10.0.0.5"}, "side_channel_host"),
+    ({"side_channel_host": "[fd00::5]"}, "side_channel_host.*IPv6"),
     ({"codec_options": [1, 2]}, "codec_options"),
     ({"speculative_min_margin": -0.1}, "speculative_min_margin"),
     ({"speculative_min_margin": "inf"}, "speculative_min_margin"),
     ({"allowed_modes": "full,int3"}, "allowed_modes"),
-    ({"allowed_modes": ""}, "allowed_modes"),
+    ({"allowed_modes": []}, "allowed_modes"),  # an empty list names no mode; null = the default
     ({"allowed_modes": 3}, "allowed_modes"),
     ({"allowed_modes": ["int4"]}, "allowed_modes"),  # must include the instance's own mode (full)
     ({"params_ttl_s": 0.5}, "params_ttl_s"),
@@ -89,8 +95,9 @@ def test_default_lease_covers_draining_a_full_pool_and_a_short_one_is_refused():
     assert LynxConfig.from_extra_config({"link_gbps": 1}).transport_config(0, None, "p").lease_s == 120.0
     slow = LynxConfig.from_extra_config({"link_gbps": 0.007, "lease_s": "null"})
     assert slow.transport_config(0, None, "p").lease_s == 384.0
-    with pytest.raises(ValueError, match=r"lease_s \(120 s\).*at least 307 or lower staging_mb"):
-        LynxConfig.from_extra_config({"link_gbps": 0.007, "lease_s": 120}).transport_config(0, None, "p")
+    # refused where the config is read (it was refused only in the worker, after the model and KV cache loaded)
+    with pytest.raises(LynxConfigError, match=r"lease_s \(120 s\).*at least 307 or lower staging_mb"):
+        LynxConfig.from_extra_config({"link_gbps": 0.007, "lease_s": 120})
     small = LynxConfig.from_extra_config({"link_gbps": 0.007, "lease_s": 120, "staging_mb": 64})
     assert small.transport_config(0, None, "p").lease_s == 120.0
 
@@ -167,3 +174,19 @@ def test_settings_that_fail_only_at_worker_start_name_the_setting(tmp_path):
     afile.write_text("")
     with pytest.raises(LynxConfigError, match="status_dir"):
         LynxConfig.from_extra_config({"status_dir": str(afile)}).transport_config(0, None, "p")
+
+
+def test_a_side_channel_host_d_can_reach_is_accepted():
+    for host in ("10.1.2.3", "prefill-0.prefill.default.svc.cluster.local", "p_1", "localhost"):
+        assert LynxConfig.from_extra_config({"side_channel_host": f" {host} "}).side_channel_host == host
+
+
+@pytest.mark.parametrize("null", [None, "", " ", "none", "None", "NULL"])
+def test_every_key_that_can_be_unset_reads_null_alike(null):
+    """One spelling of "not set" for every such key: ``status_dir: "null"`` made a folder named null,
+    ``auto_speculative: "None"`` and ``fault_injection: "null"`` were refused, ``codec_options: null`` too."""
+    keys = ("status_dir", "auto_speculative", "fault_injection", "codec_options", "allowed_modes", "lease_s",
+            "params_ttl_s", "link_gbps")
+    cfg = LynxConfig.from_extra_config({k: null for k in keys})
+    assert cfg == LynxConfig.from_extra_config({})
+

@@ -363,6 +363,23 @@ def test_missing_short_or_malformed_key_is_a_clear_start_up_error(tmp_path) -> N
         TransportConfig(key=b"short")
 
 
+def test_a_key_file_of_hex_text_is_read_as_the_variable_reads_it(tmp_path) -> None:
+    """``xxd -p`` wraps hex at 60 digits a line, and a key is often written with ``0x``: the file gives the same key
+    as the same text in LYNX_SIDE_CHANNEL_KEY (it was taken as 66 raw bytes: P and D then disagreed on the key)."""
+    key = bytes(range(32))
+    wrapped = key.hex()[:60] + "\n" + key.hex()[60:] + "\n"
+    for text in (wrapped, "0x" + key.hex(), "  " + key.hex().upper() + "\r\n", " ".join(f"{b:02x}" for b in key)):
+        (tmp_path / "key").write_text(text)
+        assert load_side_channel_key(environ={KEY_FILE_ENV: str(tmp_path / "key")}) == key, text
+        assert load_side_channel_key(environ={KEY_ENV: text}) == key, text
+    (tmp_path / "key").write_text(key.hex()[:-1] + "\n")
+    with pytest.raises(SideChannelKeyError, match="odd number"):
+        load_side_channel_key(environ={KEY_FILE_ENV: str(tmp_path / "key")})
+    passphrase = "Zm9vYmFyYmF6cXV4Zm9vYmFyYmF6cXV4Zm9vYmFy\n"  # not hex: the file's bytes are the key
+    (tmp_path / "key").write_text(passphrase)
+    assert load_side_channel_key(environ={KEY_FILE_ENV: str(tmp_path / "key")}) == passphrase.encode()
+
+
 def test_a_failing_nixl_progress_is_one_warning_not_one_per_pump(src: TransferSource, caplog, monkeypatch) -> None:
     """P pumps NIXL every target_progress_s (5 ms) while a request is published: a progress() that keeps failing
     logged a warning at every pump (about 190 a second)."""
