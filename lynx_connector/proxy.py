@@ -60,12 +60,14 @@ from lynx_connector.logger import configure_process_logging, init_logger
 from lynx_connector.proxy_batch import prompt_list, serve_prompt_list
 from lynx_connector.proxy_flow import FlowBook, serve_pipelined
 from lynx_connector.proxy_http import (
+    MAX_JSON_DEPTH,
     REQUEST_ID_HEADER,
     ClientGone,
     Passthrough,
     ProxyError,
     correlation_id,
     error_response,
+    too_deep,
 )
 from lynx_connector.proxy_upstream import (
     PREFILL_KV_PARAMS,
@@ -236,6 +238,8 @@ async def _handle_generate(request: web.Request, chat: bool) -> web.StreamRespon
                 return error_response(400, "request body is nested too deeply", rid)
             if not isinstance(body, dict):
                 return error_response(400, "request body must be a JSON object", rid)
+            if too_deep(body):
+                return error_response(400, f"request body is nested too deeply (over {MAX_JSON_DEPTH} levels)", rid)
             prompts = None if chat else prompt_list(body)
             if prompts is not None:  # one request per prompt (proxy_batch.py)
                 return await serve_prompt_list(lambda c, b: _serve(state, c, request, b, chat), call, body, prompts,
@@ -269,6 +273,11 @@ async def _handle_generate(request: web.Request, chat: bool) -> web.StreamRespon
         if call.stream is not None:
             return await call.end_stream(e.status, e.message)
         return e.response(rid)
+    except Exception:  # a bug of the proxy: this request fails in vLLM's error shape, the proxy goes on
+        logger.exception("request %s: internal error of the proxy during %s", rid, call.phase)
+        if call.stream is not None:
+            return await call.end_stream(500, "internal error of the proxy")
+        return error_response(500, "internal error of the proxy", rid)
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
@@ -364,7 +373,10 @@ def create_app(config: ProxyConfig) -> web.Application:
                                         sock_read=config.read_timeout_s)
         # Idle pooled connections are dropped before vLLM's server (uvicorn, 5 s keep-alive) closes them: reusing one
         # it is closing answers "Server disconnected" and fails the request (seen after P was paused and resumed).
-        connector = aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_KEEPALIVE_S)
+        # No cap on pooled connections (aiohttp's default is 100 in all): admission bounds the calls in flight per
+        # server, and a call waiting for a pooled connection counts it against --connect-timeout (504 with P and D
+        # idle, /health unhealthy) once (P + D servers) x --max-inflight passed 100.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
         state.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
 
     async def close_session(_app: web.Application) -> None:

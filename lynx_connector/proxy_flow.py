@@ -139,6 +139,7 @@ async def serve_pipelined(session: aiohttp.ClientSession, book: FlowBook, prefil
             release()
             trace("proxy", transfer_id, "p_answered")
 
+    d_body = build_decode_request(body, d_params)  # before P's call starts: nothing fails between the two
     p_task = asyncio.create_task(run_prefill())
 
     async def p_verdict() -> None:
@@ -153,8 +154,7 @@ async def serve_pipelined(session: aiohttp.ClientSession, book: FlowBook, prefil
         except (TimeoutError, ProxyError):
             return
 
-    d_task = asyncio.create_task(decode(session, call, d_url, request, build_decode_request(body, d_params),
-                                        gate=p_verdict))
+    d_task = asyncio.create_task(decode(session, call, d_url, request, d_body, gate=p_verdict))
     try:
         await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
         if p_task.done() and isinstance(p_task.exception(), Passthrough):  # P refused the request

@@ -37,6 +37,24 @@ def correlation_id(client_id: str | None) -> tuple[str, str | None]:
     return _fresh_id(), None
 
 
+#: The deepest nesting of JSON arrays and objects a request body may have. The proxy copies the body for P and D
+#: (``copy.deepcopy``, two Python frames a level): a body nested some 500 deep overflowed the stack there, past
+#: the parse. Real bodies (chat content parts, tool and response_format JSON schemas) stay far below this.
+MAX_JSON_DEPTH = 128
+
+
+def too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether parsed JSON ``value`` nests arrays and objects deeper than ``limit`` (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        if children and depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
 def _fresh_id() -> str:
     return f"lynx-{uuid.uuid4().hex}"
 

@@ -131,7 +131,7 @@ def run_scenario(fakes_p: list[Fake | None], fakes_d: list[Fake | None], scenari
         port = _free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         try:
-            async with aiohttp.ClientSession() as session:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
                 await scenario(session, f"http://127.0.0.1:{port}")
         finally:
             await runner.cleanup()
@@ -334,6 +334,41 @@ def test_bad_json_body() -> None:
         async with s.post(url + "/v1/completions", data=b"[" * 200_000) as r:  # under --max-body-bytes
             assert r.status == 400
             check_proxy_error(400, await r.json(), r.headers["X-Request-Id"], "nested too deeply")
+        # valid JSON nested deeper than the proxy's copies of the body for P and D can go: refused, and P is not
+        # called (a plain-text 500 from the stack overflowing in the copy, P called and D not in the pipelined flow)
+        deep = {"prompt": "x", "extra": json.loads("[" * 600 + "]" * 600)}
+        async with s.post(url + "/v1/completions", json=deep) as r:
+            assert r.status == 400
+            check_proxy_error(400, await r.json(), r.headers["X-Request-Id"], "nested too deeply", "128")
+        ok = {"prompt": "x", "extra": json.loads("[" * 120 + "]" * 120)}
+        async with s.post(url + "/v1/completions", json=ok) as r:
+            assert r.status == 200
+
+    p = Fake("prefill")
+    run_scenario([p], [Fake("decode")], scenario)
+    assert len(p.received) == 1
+
+
+def test_an_unexpected_error_fails_that_request_in_vllms_shape_and_the_proxy_goes_on(monkeypatch) -> None:
+    from lynx_connector import proxy as proxy_module
+
+    real = proxy_module._serve
+    calls = [0]
+
+    async def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("a bug")
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(proxy_module, "_serve", flaky)
+
+    async def scenario(s: aiohttp.ClientSession, url: str) -> None:
+        async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+            assert r.status == 500
+            check_proxy_error(500, await r.json(), r.headers["X-Request-Id"], "internal error")
+        async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+            assert r.status == 200
 
     run_scenario([Fake("prefill")], [Fake("decode")], scenario)
 
@@ -428,6 +463,32 @@ def test_admission_limits_inflight_per_server_and_queues_the_rest() -> None:
 
     run_scenario([p], [d], scenario, max_inflight=3)
     assert d.peak == 3 and len(d.received) == 10
+
+
+def test_more_admitted_calls_than_aiohttps_default_pool_all_reach_d_and_health_stays_ok() -> None:
+    """120 requests admitted at once on one D (--max-inflight 120): each has its connection to D, and /health
+    answers meanwhile. aiohttp's default pool (100 connections in all) kept 20 waiting until --connect-timeout
+    (504 with P and D idle) and /health, queued behind them, reported D unreachable."""
+    d = SlowDecode()
+    n = 120
+
+    async def scenario(s: aiohttp.ClientSession, url: str) -> None:
+        async def one() -> int:
+            async with s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+                return r.status
+
+        tasks = [asyncio.create_task(one()) for _ in range(n)]
+        deadline = asyncio.get_running_loop().time() + 20
+        while d.now < n and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        assert d.now == n
+        async with s.get(url + "/health") as r:
+            assert r.status == 200, await r.text()
+        d.gate.set()
+        assert await asyncio.gather(*tasks) == [200] * n
+
+    run_scenario([Fake("prefill")], [d], scenario, max_inflight=n, connect_timeout_s=1.0)
+    assert d.peak == n
 
 
 def test_admission_refuses_at_once_when_the_queue_is_full_or_the_wait_too_long(proxy_log: list[str]) -> None:
