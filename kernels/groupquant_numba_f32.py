@@ -171,7 +171,8 @@ def _enc_group_f32(src, tile_base, base_h, off_t, off_d, t_contig, d_contig, bs,
     n = t1 - t0
     lvf = np.float32(levels)
     u0 = t0 % bs
-    if d_contig and off_t[u0 + n - 1] - off_t[u0] == (n - 1) * d_n and u0 + n <= bs:
+    # the in-block test first: off_t has bs entries, and a group spanning two blocks must not read past them
+    if d_contig and u0 + n <= bs and off_t[u0 + n - 1] - off_t[u0] == (n - 1) * d_n:
         # the group's rows are one token-major run of the cache (V tiles [BS, D]): read them in place
         o = tile_base[t0 // bs] + base_h + off_t[u0]
         y = src[o:o + n * d_n].reshape(n, d_n)

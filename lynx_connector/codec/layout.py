@@ -126,11 +126,17 @@ class KVLayout:
         expect = (self.num_heads, self.block_size, 2 * self.head_size)
         if tuple(kv_layer.shape[1:]) != expect or kv_layer.dtype != self.dtype:
             raise ValueError(f"cache {tuple(kv_layer.shape)} {kv_layer.dtype} does not match layout {self}")
-        ids = torch.as_tensor(block_ids, dtype=torch.int64, device=kv_layer.device).flatten()
+        ids = torch.as_tensor(block_ids, dtype=torch.int64).flatten()  # vLLM's lists: checked on the host
         need = -(-num_tokens // self.block_size)
         if num_tokens < 0 or ids.numel() < need:
             raise ValueError(f"{num_tokens} tokens need {need} blocks, got {ids.numel()} block ids")
-        return ids[:need]
+        ids = ids[:need]
+        # The kernels index the cache with these ids unchecked (numba wrote past the layer, or a negative id into
+        # its last block); a block listed twice would take two requests' rows: refused, whatever the impl.
+        if need and (int(ids.min()) < 0 or int(ids.max()) >= kv_layer.shape[0] or ids.unique().numel() != need):
+            raise ValueError(f"block ids must be distinct and in [0, {kv_layer.shape[0]}): got "
+                             f"{ids.tolist()[:16]}{' ...' if need > 16 else ''}")
+        return ids.to(kv_layer.device)
 
     def gather(self, kv_layer: torch.Tensor, block_ids: BlockIds, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[num_tokens, H, D]`` (cache dtype) of the tokens held by ``block_ids`` in order."""

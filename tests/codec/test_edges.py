@@ -74,3 +74,28 @@ def test_fp8_refuses_kv_its_fp16_scale_cannot_reach() -> None:
     anchor = torch.zeros(plane_nbytes(codec, layout, 16)[0], dtype=torch.uint8)
     with pytest.raises(KVRangeError, match="layer.k"):
         encode(codec, kv, [0], layout, 16, anchor)
+
+
+@pytest.mark.parametrize("impl", ["torch", "numba"])
+@pytest.mark.parametrize("ids", [[0, 4], [0, -1], [1, 0, 1]])
+def test_block_ids_out_of_range_or_repeated_are_refused_before_any_write(impl: str, ids: list[int]) -> None:
+    """The kernels index the cache with the ids unchecked: numba wrote past the layer for id 4 of 4 blocks and into
+    the last (unlisted) block for -1, and a repeated block had rows past num_tokens overwritten. Each impl refuses
+    them with one ValueError, and nothing is written."""
+    h, bs, d = 1, 16, 64
+    layout = KVLayout.cpu(h, bs, d, torch.float32, isa="vec")
+    codec = get_codec("lynx")
+    tokens = bs * (len(ids) - 1) + 8
+    src = torch.randn(4, h, bs, 2 * d)
+    a, r = plane_nbytes(codec, layout, tokens)
+    anchor, residual = torch.zeros(a, dtype=torch.uint8), torch.zeros(r, dtype=torch.uint8)
+    good = list(range(len(ids)))
+    encode(codec, src, good, layout, tokens, anchor, residual, impl=impl)
+    with pytest.raises(ValueError, match="block ids must be distinct"):
+        encode(codec, src, ids, layout, tokens, torch.zeros_like(anchor), torch.zeros_like(residual), impl=impl)
+    dst = torch.full((4, h, bs, 2 * d), 7.0)
+    for call in (lambda: decode_anchor(codec, anchor, dst, ids, layout, tokens, impl=impl),
+                 lambda: decode_full(codec, anchor, residual, dst, ids, layout, tokens, impl=impl)):
+        with pytest.raises(ValueError, match="block ids must be distinct"):
+            call()
+        assert torch.equal(dst, torch.full_like(dst, 7.0))
