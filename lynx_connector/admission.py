@@ -109,8 +109,9 @@ class ServerSlots:
 
     def _grant_next(self, returned: str | None) -> None:
         """Give a free slot to the oldest waiter (``returned``: a slot handed back by a waiter that timed out)."""
-        if returned is not None:
+        if returned is not None:  # never admitted after all: its grant is not counted
             self.inflight[returned] -= 1
+            self.admitted -= 1
         while self._waiters:
             url = self._free_server()
             if url is None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from lynx_connector.proxy_http import ProxyError, error_response
+from lynx_connector.proxy_http import ProxyError, error_response, wants_stream
 from lynx_connector.proxy_upstream import Call
 
 __all__ = ["MAX_PROMPTS", "prompt_list", "serve_prompt_list"]
@@ -53,7 +53,7 @@ def prompt_list(body: dict[str, Any]) -> list[dict[str, Any]] | None:
 
 async def serve_prompt_list(serve: Serve, call: Call, body: dict[str, Any], prompts: list[dict[str, Any]],
                             concurrency: int) -> web.StreamResponse:
-    if body.get("stream"):
+    if wants_stream(body):
         return error_response(400, "lynx proxy: a list of prompts is answered only without streaming; send the "
                                    "prompts as separate requests to stream them", call.request_id)
     if len(prompts) > MAX_PROMPTS:

@@ -55,6 +55,15 @@ def too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
     return False
 
 
+def wants_stream(body: dict[str, Any]) -> bool:
+    """Whether vLLM streams its answer to ``body``: its request model reads ``stream`` as pydantic reads a bool, so
+    the strings ``"false"``, ``"0"``, ``"no"``... are False (a truthiness test streamed them)."""
+    value = body.get("stream")
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "on", "t", "true", "y", "yes")
+    return bool(value)
+
+
 def _fresh_id() -> str:
     return f"lynx-{uuid.uuid4().hex}"
 

@@ -24,6 +24,7 @@ from lynx_connector.proxy_http import (
     Passthrough,
     ProxyError,
     stream_error_event,
+    wants_stream,
 )
 from lynx_connector.trace import trace
 
@@ -172,7 +173,7 @@ async def decode(session: aiohttp.ClientSession, call: Call, url: str, request: 
         if resp.status != 200:
             raise await _status_error("decode", url, resp)
         content_type = resp.headers.get("Content-Type", "application/json")
-        if not body.get("stream"):
+        if not wants_stream(body):
             try:
                 payload = await resp.read()
             except (TimeoutError, aiohttp.ClientError) as e:
@@ -211,6 +212,8 @@ async def _relay_stream(call: Call, request: web.Request, resp: aiohttp.ClientRe
             logger.warning("request %s: decode server %s failed mid-stream: %s: %s", call.request_id, call.server,
                            type(e).__name__, e)
             resp.close()
+            if isinstance(e, TimeoutError):  # silent for --read-timeout: a timeout, as before the stream began
+                return await call.end_stream(504, "decode server timed out mid-stream")
             return await call.end_stream(502, "decode server failed mid-stream")
         if not chunk:
             break

@@ -41,6 +41,7 @@ def test_a_cancel_in_the_step_of_the_grant_gives_the_slot_back() -> None:
         with pytest.raises(asyncio.CancelledError):
             await t
         assert s.inflight == {"a": 0} and s.stats().queued == 0
+        assert s.stats().admitted == 1  # the grant handed back is not an admission
         assert await s.acquire() == "a"
 
     asyncio.run(main())
@@ -88,6 +89,7 @@ def test_a_queue_timeout_in_the_step_of_the_grant_gives_the_slot_back(monkeypatc
         with pytest.raises(Overloaded, match="--queue-timeout"):
             await t
         assert s.inflight == {"a": 0} and s.stats().queued == 0
+        assert s.stats().admitted == 1
         assert await s.acquire() == "a"
 
     asyncio.run(main())

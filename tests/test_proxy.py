@@ -634,6 +634,27 @@ def test_decode_failing_mid_stream_ends_with_vllms_error_event(proxy_log: list[s
     assert any("failed mid-stream" in line and "http://127.0.0.1:" in line for line in proxy_log), proxy_log
 
 
+def test_decode_silent_mid_stream_past_the_read_timeout_ends_with_a_504_event() -> None:
+    """OPERATIONS: a P or D silent for --read-timeout is a 504; once the stream began it was called a 502."""
+    class Stalls(Fake):
+        async def generate(self, request: web.Request) -> web.StreamResponse:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+            await asyncio.sleep(5)
+            return resp
+
+    async def scenario(s: aiohttp.ClientSession, url: str) -> None:
+        async with s.post(url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+            assert r.status == 200
+            rid = r.headers["X-Request-Id"]
+            events = [e for e in (await r.read()).decode().split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        check_proxy_error(504, json.loads(events[-2][6:]), rid, "decode", "timed out mid-stream")
+
+    run_scenario([Fake("prefill")], [Stalls("decode")], scenario, read_timeout_s=0.5)
+
+
 def test_request_deadline(proxy_log: list[str]) -> None:
     d = Hanging("decode")
 
@@ -747,7 +768,20 @@ def test_a_list_of_prompts_is_one_request_per_prompt() -> None:
             check_proxy_error(400, await r.json(), r.headers["X-Request-Id"], "separate requests")
         async with s.post(url + "/v1/completions", json={"prompt": [1, 2, 3]}) as r:  # token ids: one prompt
             assert r.status == 200
+        # vLLM reads "stream" as pydantic reads a bool: "false" does not stream (the proxy refused the list)
+        async with s.post(url + "/v1/completions", json={"prompt": ["a", "b"], "stream": "false"}) as r:
+            assert r.status == 200, await r.text()
 
     run_scenario([p], [d], scenario)
-    assert sorted(map(str, (b["prompt"] for b in p.received))) == ["[1, 2, 3]", "a", "bb", "ccc"]
+    assert sorted(map(str, (b["prompt"] for b in p.received))) == ["[1, 2, 3]", "a", "a", "b", "bb", "ccc"]
     assert sorted(p.request_ids[:3]) == sorted(d.request_ids[:3]) == ["batch-1.0", "batch-1.1", "batch-1.2"]
+
+
+def test_stream_is_read_as_vllm_reads_it() -> None:
+    from lynx_connector.proxy_http import wants_stream
+
+    for value, want in ((True, True), (False, False), (None, False), (1, True), (0, False), ("true", True),
+                        (" Yes ", True), ("1", True), ("false", False), ("0", False), ("no", False), ("off", False)):
+        assert wants_stream({"stream": value}) is want, value
+    assert wants_stream({}) is False
+
