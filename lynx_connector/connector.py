@@ -43,6 +43,11 @@ logger = init_logger(__name__)
 class LynxConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        if len(groups) > 1:  # vLLM turns its hybrid KV cache manager off for us unless the user forces it on
+            raise ValueError(f"LynxConnector: the KV cache has {len(groups)} groups (vLLM's hybrid KV cache manager, "
+                             "forced on with --no-disable-hybrid-kv-cache-manager): Lynx moves one group's blocks; "
+                             "drop that flag")
         kv_cfg = vllm_config.kv_transfer_config
         self.lynx_config = LynxConfig.from_extra_config(kv_cfg.kv_connector_extra_config)
         self.engine_id = str(kv_cfg.engine_id)

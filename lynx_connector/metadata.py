@@ -82,12 +82,14 @@ class RecvSpec:
     #: ``mode`` is what D would serve a Lynx choice as (speculative when it can, else full).
     auto: bool = False
 
-    def port_for_rank(self, tp_rank: int) -> int:
-        """The side-channel port of P's worker that holds this D worker's shard of the KV."""
-        if tp_rank >= len(self.remote_ports):
-            raise ValueError(f"P advertises {len(self.remote_ports)} side-channel port(s) (its tensor-parallel size) "
-                             f"but this decode worker is tensor-parallel rank {tp_rank}: P and D must run the same "
-                             "tensor-parallel size")
+    def port_for_rank(self, tp_rank: int, tp_size: int) -> int:
+        """The side-channel port of P's worker that holds this D worker's shard of the KV (worker ``tp_rank`` of
+        ``tp_size``). P and D must run the same tensor-parallel size: another one is refused here, before any
+        connection (P's handshake refused it too, but named the key or the layout, after four attempts)."""
+        if len(self.remote_ports) != tp_size or not 0 <= tp_rank < tp_size:
+            raise ValueError(f"P runs tensor-parallel size {len(self.remote_ports)}, this decode instance {tp_size} "
+                             "(P's size is the number of side-channel ports it advertises): P and D must run the "
+                             "same tensor-parallel size")
         return self.remote_ports[tp_rank]
 
 

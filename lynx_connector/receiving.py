@@ -78,6 +78,7 @@ class ReceiveHalf:
     layers: list[tuple[str, torch.Tensor]]
     layout: KVLayout | None
     tp_rank: int
+    tp_size: int
     stats: LynxStats
     _faults: FaultHooks
     _step: int
@@ -160,8 +161,8 @@ class ReceiveHalf:
         layouts = {m: self._pull_layout(replace(spec, mode=m)).nbytes for m in self.config.auto_modes} \
             if spec.auto else None
         try:
-            self.sink.watch(spec.req_id, spec.remote_host, spec.port_for_rank(self.tp_rank), spec.transfer_id,
-                            spec.token, a, r, wait_s=self.config.concurrent_wait_s,
+            self.sink.watch(spec.req_id, spec.remote_host, spec.port_for_rank(self.tp_rank, self.tp_size),
+                            spec.transfer_id, spec.token, a, r, wait_s=self.config.concurrent_wait_s,
                             order=get_mode(spec.mode).pull_order, layouts=layouts)
         except ValueError as exc:
             self._finish_recv(rec, error=f"cannot pull: {exc}")
@@ -204,7 +205,8 @@ class ReceiveHalf:
     def _discard(self, spec: RecvSpec) -> None:
         """P's staging of a load that will never be pulled is freed now (a Done), not at its lease."""
         with contextlib.suppress(ValueError):  # params D could not have pulled with either: nothing to free
-            self.sink.discard(spec.remote_host, spec.port_for_rank(self.tp_rank), spec.transfer_id, spec.token)
+            self.sink.discard(spec.remote_host, spec.port_for_rank(self.tp_rank, self.tp_size), spec.transfer_id,
+                              spec.token)
 
     def _fail_unstarted(self, spec: RecvSpec) -> None:
         """A load that never got staging: reported failed at once (kv_load_failure_policy applies)."""
@@ -238,7 +240,7 @@ class ReceiveHalf:
         trace("D", spec.transfer_id or spec.req_id, "pull")
         self._faults.track(spec.req_id, hooks)
         try:
-            port = spec.port_for_rank(self.tp_rank)
+            port = spec.port_for_rank(self.tp_rank, self.tp_size)
             self.sink.pull(spec.req_id, spec.remote_host, port, spec.transfer_id, spec.token,
                            staged.anchor, staged.residual if r else None,
                            wait_s=self.config.concurrent_wait_s if spec.concurrent else None,

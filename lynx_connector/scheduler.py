@@ -131,6 +131,11 @@ class LynxConnectorScheduler(ServedMode):
             raise TypeError(f"LynxConnector expects LynxHandshakeMetadata from its workers, got {metas!r}")
         if not metas:  # kv_role=kv_consumer: the workers serve no side channel (nothing to announce to D)
             return
+        for key, what in (("host", "side-channel host"), ("kv_dtype", "KV cache dtype")):  # D is told one for all
+            if len({getattr(m, key) for m in metas}) > 1:
+                raise ValueError(f"LynxConnector: the tensor-parallel workers of this prefill instance differ in "
+                                 f"{what} ({', '.join(repr(getattr(m, key)) for m in metas)}): D is told one for all "
+                                 "of them (a P whose workers span hosts is not supported)")
         self._side_channel_host = metas[0].host
         self._side_channel_ports = [m.port for m in metas]
         self._kv_dtype = metas[0].kv_dtype  # announced to D with every request P serves (lynx_kv_dtype)

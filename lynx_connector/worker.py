@@ -20,6 +20,7 @@ import torch
 
 from lynx_connector.auto import LinkMeter
 from lynx_connector.codec import (
+    STAGED_DTYPES,
     KVLayout,
     KVRangeError,
     NonFiniteKVError,
@@ -72,6 +73,7 @@ class LynxConnectorWorker(ReceiveHalf):
         self.is_consumer = kv_cfg.kv_role in ("kv_consumer", "kv_both")
         self.block_size = vllm_config.cache_config.block_size
         self.tp_rank = 0
+        self.tp_size = 1
         self.layers: list[tuple[str, torch.Tensor]] = []
         self.layout: KVLayout | None = None
         self.source: TransferSource | None = None
@@ -102,9 +104,9 @@ class LynxConnectorWorker(ReceiveHalf):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size as world
 
         try:
-            self.tp_rank, tp_size = rank(), world()
+            self.tp_rank, self.tp_size = rank(), world()
         except Exception:  # not initialised in some unit-test set-ups
-            self.tp_rank, tp_size = 0, 1
+            self.tp_rank, self.tp_size = 0, 1
         self._exporter.rank = self.tp_rank
         self.layers = list(kv_caches.items())
         self._layer_index = {name: i for i, (name, _) in enumerate(self.layers)}
@@ -112,6 +114,11 @@ class LynxConnectorWorker(ReceiveHalf):
             raise ValueError("LynxConnector: register_kv_caches got no KV cache tensors")
         first = self.layers[0][1]
         model_cfg = self.vllm_config.model_config
+        if first.dtype not in STAGED_DTYPES:  # an fp8 cache (uint8 on the CPU backend): its bytes are no values
+            cache_dtype = getattr(getattr(self.vllm_config, "cache_config", None), "cache_dtype", "?")
+            raise ValueError(f"LynxConnector: a KV cache of {first.dtype} (--kv-cache-dtype {cache_dtype}) is not "
+                             f"supported: the codecs read and write {', '.join(map(str, STAGED_DTYPES))} caches; "
+                             "use --kv-cache-dtype auto (the model's dtype)")
         # vLLM's CPU backend keeps a K tile then a V tile per (block, head), ordered by the attention ISA it
         # picked; on GPUs the FlashAttention layout interleaves K and V per token.
         self.layout = KVLayout.from_kv_cache(first, block_size=self.block_size,
@@ -122,7 +129,7 @@ class LynxConnectorWorker(ReceiveHalf):
                                  f"{tuple(first.shape)} {first.dtype} like the first layer")
         # What P and D must share, and nothing else: block size, layout and cache dtype may differ (compat.py)
         compat = kv_compat(model=model_cfg.model, layer_names=[n for n, _ in self.layers], layout=self.layout,
-                           codec_options=self.config.codec_options, tp_rank=self.tp_rank, tp_size=tp_size)
+                           codec_options=self.config.codec_options, tp_rank=self.tp_rank, tp_size=self.tp_size)
         name = f"lynx-{self.engine_id}-tp{self.tp_rank}"
         if self.is_producer:
             self.source = TransferSource(self.config.transport_config(self.tp_rank, self._key, name + "-src"), compat,

@@ -78,6 +78,9 @@ def test_guards_are_installed_by_the_worker_half_and_a_missing_target_is_warned(
                                                              kv_role="kv_both"))
     connector.LynxConnector(cfg, KVConnectorRole.WORKER, None)
     assert calls == ["guards", "worker"]
+    # a KV cache of several groups (vLLM's hybrid manager forced on): refused by name, not wrong blocks later
+    with pytest.raises(ValueError, match="2 groups.*hybrid KV cache manager"):
+        connector.LynxConnector(cfg, KVConnectorRole.WORKER, SimpleNamespace(kv_cache_groups=[1, 2]))
     monkeypatch.undo()
 
     monkeypatch.delattr(topk_topp_sampler, "apply_top_k_only")

@@ -2,7 +2,16 @@
 
 from lynx_connector.kernels.errors import KVRangeError, NonFiniteKVError
 
-from .api import check_metadata, decode_anchor, decode_full, encode, kernel_path, merge_residual, plane_nbytes
+from .api import (
+    STAGED_DTYPES,
+    check_metadata,
+    decode_anchor,
+    decode_full,
+    encode,
+    kernel_path,
+    merge_residual,
+    plane_nbytes,
+)
 from .base import Codec
 from .integrity import (
     INTEGRITY_FORMAT,
@@ -27,6 +36,7 @@ __all__ = [
     "LYNX_DEFAULTS",
     "NonFiniteKVError",
     "PlaneLayout",
+    "STAGED_DTYPES",
     "StagedLayout",
     "TRAILER_NBYTES",
     "TileAddr",

@@ -187,3 +187,28 @@ def test_compat_compares_the_codec_in_use_not_its_spelling():
     assert codec_of() == json.dumps(LYNX_DEFAULTS, sort_keys=True)
     assert codec_of(group_tokens=128) != codec_of(group_tokens=128, k_group_tokens=64, v_group_tokens=32)
     assert codec_of() == codec_of(group_tokens=7, k_group_tokens=64, v_group_tokens=32)
+
+
+def test_a_p_of_another_tensor_parallel_size_fails_the_pull_at_once_naming_it(make):
+    """D knows P's tensor-parallel size (the ports P advertises) and its own: another one is refused before any
+    connection. D dialled P's rank 0 and failed after four refused handshakes naming the key or layout."""
+    (p, _), (d, _) = make("kv_producer", 32, F32), make("kv_consumer", 32, F32)
+    p.save(LynxConnectorMetadata(reqs_to_save=[SaveSpec(req_id="p1", block_ids=p_ids(32), num_tokens=N,
+                                                        mode="full")]))
+    host, port = p.source.address
+    tid, token = p.source.ticket("p1")
+    errors = load_errors(d)
+    spec = RecvSpec(req_id="d1", block_ids=d_ids(32), num_tokens=N, skip_blocks=0, remote_host=host,
+                    remote_ports=(port, port + 1), remote_req_id="p1", remote_engine_id="e-p", mode="full",
+                    transfer_id=tid, token=token)
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[spec], test_hooks={}))
+    done, failed = results_until([p, d], d, lambda done, failed: "d1" in failed)
+    assert "P runs tensor-parallel size 2, this decode instance 1" in errors["d1"], errors
+    assert p.source.stats()["auth_failed"] == 0 and d.sink.pool.bytes_allocated == 0
+
+
+def test_an_fp8_kv_cache_is_refused_at_start(make):
+    """vLLM's CPU backend keeps an fp8 cache (--kv-cache-dtype fp8) as uint8: the codecs wrote decoded floats into
+    it as integers (the pull reported success) or failed each request with a bare TypeError."""
+    with pytest.raises(ValueError, match=r"KV cache of torch.uint8 .* not supported.*--kv-cache-dtype auto"):
+        make("kv_consumer", 16, torch.uint8)

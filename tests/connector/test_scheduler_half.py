@@ -330,6 +330,17 @@ def test_worker_meta_aggregates_merges_as_counts_across_ranks():
 
 
 
+def test_a_prefill_whose_workers_differ_in_host_or_cache_dtype_is_refused_at_start():
+    """D is told one host and one cache dtype for all of P's ranks: ranks on two hosts had D dial rank 1's port on
+    rank 0's host."""
+    s, _ = make_sched()
+    for a, b in (({"host": "10.0.0.1"}, {"host": "10.0.0.2"}), ({"kv_dtype": "bfloat16"}, {"kv_dtype": "float32"})):
+        metas = {0: LynxHandshakeMetadata(**{"host": "10.0.0.1", "port": 5600, "tp_rank": 0, **a}),
+                 1: LynxHandshakeMetadata(**{"host": "10.0.0.1", "port": 5601, "tp_rank": 1, **b})}
+        with pytest.raises(ValueError, match="workers of this prefill instance differ in"):
+            s.set_handshake(metas)
+
+
 def test_decode_side_pulls_from_the_port_of_its_tensor_parallel_rank():
     s, _ = make_sched()
     r = req("d-tp", 64, remote_params(64, lynx_ports=[7001, 7002]))
@@ -337,9 +348,10 @@ def test_decode_side_pulls_from_the_port_of_its_tensor_parallel_rank():
     s.update_state_after_alloc(r, FakeBlocks([1, 2]), 64)
     (spec,) = s.build_connector_meta(sched_out()).reqs_to_recv
     assert spec.remote_ports == (7001, 7002)
-    assert [spec.port_for_rank(k) for k in (0, 1)] == [7001, 7002]  # P's ports need not be consecutive
-    with pytest.raises(ValueError, match="same tensor-parallel size"):
-        spec.port_for_rank(2)
+    assert [spec.port_for_rank(k, 2) for k in (0, 1)] == [7001, 7002]  # P's ports need not be consecutive
+    for rank, size in ((2, 2), (0, 1), (0, 4)):  # P's size is its ports': another one of D's is refused
+        with pytest.raises(ValueError, match="P runs tensor-parallel size 2, this decode instance"):
+            spec.port_for_rank(rank, size)
 
 
 # ---- issue 14.6: D trusts only its prefill instances -------------------------------------------------------------
