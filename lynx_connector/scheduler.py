@@ -214,8 +214,9 @@ class LynxConnectorScheduler(ServedMode):
         if not params:
             return
         if params.get("do_remote_decode"):
-            if request.request_id in self._save_tracked:  # preempted and scheduled again: its first choice and
-                return  # ticket stand (its own ticket is not another request's replay)
+            if request.request_id in self._save_tracked or request.request_id in self._refused:
+                return  # preempted and scheduled again: its first choice and ticket, or its refusal, stand (its
+                # own ticket is not another request's replay; a refusal is counted and logged once)
             mode = self._request_mode(request.request_id, params)
             if mode == AUTO_MODE:
                 spec = self.speculation_enabled if self.config.auto_speculative is None else self.config.auto_speculative

@@ -346,6 +346,17 @@ def test_a_preempted_p_request_keeps_its_ticket_and_choice_when_scheduled_again(
     assert "c1" not in s._refused
 
 
+def test_a_preempted_refused_p_request_is_refused_once():
+    """A P request refused (a mode not allowed) and scheduled again after a preemption was counted and logged
+    again each time vLLM called update_state_after_alloc."""
+    s, mgr = make_p()
+    r = p_req("c2", 256, {"do_remote_decode": True, "lynx_mode": "int4"})
+    mgr.blocks["c2"] = list(range(-(-256 // BS)))
+    for _ in range(3):
+        s.update_state_after_alloc(r, FakeBlocks(mgr.blocks["c2"]), 0)
+    assert s.stats.data["refused_mode_not_allowed"] == 1 and "c2" in s._refused
+
+
 def d_auto_req(req_id="d-1", n=64, structured=False):
     from lynx_connector.concurrent import PrefillEndpoint, decode_params, mint
 
