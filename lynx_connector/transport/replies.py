@@ -22,7 +22,8 @@ __all__ = ["KEY_HINT", "ReplyHandlers"]
 #: Handshakes P refuses in a row before D takes it as final (a wrong key, an incompatible peer): one refusal can
 #: be P dropping a pending handshake under a flood of Hellos (handshake.py MAX_PENDING), not a verdict.
 AUTH_RETRIES = 3
-#: Addresses of Ps that shut down or went away, remembered (D connects there only for a pull, not for a Done)
+#: Addresses of Ps that shut down, went away or refused our handshake, remembered (D connects there only for a
+#: pull, not for a Done)
 #: until a P handshakes there again or the lease runs out.
 MAX_CLOSED_ADDRS = 1024
 #: Connection attempts to a P that fail at once, in a row, before D takes that P as gone.
@@ -55,8 +56,8 @@ class ReplyHandlers:
             if peer.state != "hello":
                 return  # the answer to a re-sent Hello: the first one was taken
             if not peer.on_challenge(msg):
-                self._fail_peer(peer, f"side-channel handshake with {where} failed: the prefill instance did not "
-                                f"prove this deployment's key ({KEY_HINT})")
+                self._handshake_failed(peer, f"side-channel handshake with {where} failed: the prefill instance "
+                                       f"did not prove this deployment's key ({KEY_HINT})")
                 return
             peer.auth(self.compat)
             return
@@ -85,7 +86,7 @@ class ReplyHandlers:
             what = ("refused our proof of the deployment key or found the KV layout/codec incompatible (P's log "
                     f"says which; {KEY_HINT})" if peer.state == "auth" else
                     f"refused the handshake ({KEY_HINT}; P's log says why)")
-            self._fail_peer(peer, f"side-channel handshake with {where} failed: the prefill instance {what}")
+            self._handshake_failed(peer, f"side-channel handshake with {where} failed: the prefill instance {what}")
             return
         self._fail_peer(peer, f"peer {where} rejected the side channel ({msg.code}): {msg.message[:200]}")
 
@@ -151,10 +152,22 @@ class ReplyHandlers:
             "lynx sink: prefill instance %s %s: %d pull(s) from it fail now", peer.name, what, failing)
         self._fail_peer(peer, f"prefill instance {peer.name} {what} while this request was pulled from it",
                         owe_done=False)
-        self._courier.forget(peer.addr)
+        self._stop_owing(peer.addr, peer.lease_s)
+
+    def _handshake_failed(self, peer: PeerLink, error: str) -> None:
+        """A handshake that failed for good (a key or a KV layout that differ): its pulls fail with ``error``, and D
+        owes that P no Done (each would re-handshake, failing again, every few seconds until the lease, counted on
+        P as failed authentications): P's lease frees what it staged; a new pull handshakes afresh."""
+        self._fail_peer(peer, error, owe_done=False)
+        self._stop_owing(peer.addr, peer.lease_s)
+
+    def _stop_owing(self, addr: Any, lease_s: float | None) -> None:
+        """No Done goes to ``addr`` (a P that closed, went away or refuses our handshake) until a P handshakes
+        there again or the lease runs out: those owed now are dropped, those owed later wait (`_said_closing`)."""
+        self._courier.forget(addr)
         if len(self._closed_addrs) >= MAX_CLOSED_ADDRS:
             self._closed_addrs.pop(next(iter(self._closed_addrs)))
-        self._closed_addrs[peer.addr] = time.monotonic() + (peer.lease_s or self.config.lease_s)
+        self._closed_addrs[addr] = time.monotonic() + (lease_s or self.config.lease_s)
 
     def _said_closing(self, addr: Any) -> bool:
         """The P at ``addr`` shut down or went away, no P there has handshaken since, and its lease has not run
@@ -170,8 +183,8 @@ class ReplyHandlers:
 
     def _on_hello(self, peer: PeerLink, msg: proto.HelloOk) -> None:
         if msg.compat_hash != self.compat_hash:
-            self._fail_peer(peer, f"peer {peer.addr[0]}:{peer.addr[1]} compat hash {msg.compat_hash[:12]} != "
-                            f"ours {self.compat_hash[:12]}")
+            self._handshake_failed(peer, f"peer {peer.addr[0]}:{peer.addr[1]} compat hash {msg.compat_hash[:12]} != "
+                                   f"ours {self.compat_hash[:12]}")
             return
         same = bool(peer.agent) and peer.agent == msg.agent_name and peer.pool_addr == msg.pool_addr
         if peer.agent and not same:  # re-handshake with a restarted P: its old staging is gone

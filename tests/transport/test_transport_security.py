@@ -200,6 +200,9 @@ def test_one_host_flooding_hellos_cannot_push_out_another_host_handshake(src: Tr
 
 def test_wrong_key_d_fails_the_handshake_naming_the_key(src: TransferSource, sinks) -> None:
     stage(src, "p1", 4096, 0)
+    hellos: list[int] = []
+    real_on_hello = src._on_hello
+    src._on_hello = lambda *a, **k: (hellos.append(1), real_on_hello(*a, **k))[1]  # type: ignore[method-assign]
     for key in (OTHER_KEY, None):  # another deployment's key, or insecure on D only
         sink = sinks(key)
         loc = sink.pool.alloc_request("d1", 4096, 0)
@@ -207,6 +210,11 @@ def test_wrong_key_d_fails_the_handshake_naming_the_key(src: TransferSource, sin
         (ev,) = collect(sink, 1)
         assert not ev.ok and "LYNX_SIDE_CHANNEL_KEY_FILE" in ev.error and "LYNX_SIDE_CHANNEL_KEY" in ev.error
         assert "key" in ev.error and sink.stats()["peers"] == 0
+        # final: D owes that P no Done (it re-handshook to send one at 0.5, 1.5, 3.5... s until the lease, four
+        # handshakes each); P's lease frees its staging
+        seen = len(hellos)
+        time.sleep(1.8)
+        assert len(hellos) == seen
     assert src.stats()["regions_live"] == 1 and src.stats()["sessions"] == 0
 
 
