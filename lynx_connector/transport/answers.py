@@ -52,8 +52,13 @@ class SourceAnswers:
         return entry if entry is not None and ok else None
 
     def _unknown(self, tid: str) -> proto.Error:
-        """The one answer for an unknown transfer id, a wrong token or a transfer another session owns."""
-        self.counters["unknown_request"] += 1
+        """The one answer for an unknown transfer id, a wrong token or a transfer another session owns. Counted
+        apart: an id P does not hold (``unknown_request``: normal in the concurrent flow, where D asks before P has
+        the request, and after a lease) and one it holds, asked with a wrong token or by another session
+        (``wrong_ticket``: someone else's ticket)."""
+        with self._lock:
+            held = isinstance(tid, str) and tid in self._by_tid
+        self.counters["wrong_ticket" if held else "unknown_request"] += 1
         return proto.Error(v=proto.VERSION, code="unknown_request", message="no such request", transfer_id=tid)
 
     def _disown(self, transfer_id: str, owner: bytes) -> None:

@@ -231,6 +231,9 @@ def test_stranger_knowing_the_id_but_not_the_token(src: TransferSource, sinks) -
         assert (wrong.code, wrong.message) == (missing.code, missing.message)  # the same answer
         done = raw.sealed(proto.Done(v=proto.VERSION, transfer_id=tid, token="0" * 32))
         assert isinstance(done, proto.Error) and done.code == "unknown_request"
+        # counted apart (the answers are the same): a held id with a wrong token is someone else's ticket; an id
+        # P does not hold is also what a concurrent-flow D asks before P has the request
+        assert (src.counters["wrong_ticket"], src.counters["unknown_request"]) == (2, 1)
     finally:
         raw.close()
     assert src.stats()["regions_live"] == 2 and src.stats()["freed_done"] == 0  # staging not freed
