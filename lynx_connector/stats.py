@@ -167,7 +167,8 @@ class LynxPromMetrics(KVConnectorPromMetrics):
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        buckets = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+        # up to concurrent_wait_s (120 s) and past it: in the pipelined flow the time includes P's queue and prefill
+        buckets = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
         stream_labels = labelnames + ["stream"]
         self._bytes = self._counter_cls(name="vllm:lynx_transfer_bytes",
                                         documentation="KV bytes received per stream (anchor, residual).",
@@ -213,8 +214,7 @@ class LynxPromMetrics(KVConnectorPromMetrics):
                                        labelnames=labelnames + ["mode", "reason"])
         self._refused = self._counter_cls(name="vllm:lynx_refused_params",
                                           documentation="kv_transfer_params refused by the scheduler half: "
-                                                        "unsigned, bad_signature, expired, malformed, "
-                                                        "mode_not_allowed, prompt_mismatch.",
+                                                        + ", ".join(REFUSAL_REASONS) + ".",
                                           labelnames=labelnames + ["reason"])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from lynx_connector.signing import REFUSAL_REASONS
 from lynx_connector.stats import FAILURE_REASONS, LynxPromMetrics, LynxStats, TransportExporter
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.source import TransferSource
@@ -67,6 +68,13 @@ def test_prometheus_series_have_reason_side_and_state_labels() -> None:
     assert 'vllm:lynx_failed_transfers_total{engine="0",model_name="m",reason="too_large"} 1.0' in text
     assert 'vllm:lynx_side_channel_events_total{engine="0",event="auth_failed",model_name="m",side="p"} 3.0' in text
     assert 'vllm:lynx_staging_bytes{engine="0",model_name="m",rank="0",side="p",state="used"} 4096.0' in text
+    # every refusal reason is in its HELP (replayed was missing); the latency buckets reach concurrent_wait_s
+    help_line = next(x for x in text.splitlines() if x.startswith("# HELP vllm:lynx_refused_params_total"))
+    assert all(r in help_line for r in REFUSAL_REASONS), help_line
+    prom.observe({"anchor_s": [90.0]})
+    text = generate_latest(registry).decode()
+    assert 'vllm:lynx_time_to_stream_seconds_bucket{engine="0",le="60.0",model_name="m",stream="anchor"} 0.0' in text
+    assert 'vllm:lynx_time_to_stream_seconds_bucket{engine="0",le="120.0",model_name="m",stream="anchor"} 1.0' in text
 
 
 def test_auto_choices_are_counted_by_mode_and_reason() -> None:
