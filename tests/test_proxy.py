@@ -611,48 +611,43 @@ def test_client_disconnect_while_waiting_for_d_or_p_cancels_that_call(proxy_log:
         proxy_log.clear()
 
 
-def test_decode_failing_mid_stream_ends_with_vllms_error_event(proxy_log: list[str]) -> None:
-    class Dies(Fake):
-        async def generate(self, request: web.Request) -> web.StreamResponse:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            await resp.write(b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choi')
+class FailsMidStream(Fake):
+    """A D that sends one event, then dies in the middle of the next (``dies``) or goes silent."""
+
+    def __init__(self, dies: bool) -> None:
+        super().__init__("decode")
+        self.dies = dies
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n' + (b'data: {"choi' if self.dies else b""))
+        if self.dies:
             assert request.transport is not None
             request.transport.abort()  # D dies mid-event
-            return resp
-
-    async def scenario(s: aiohttp.ClientSession, url: str) -> None:
-        async with s.post(url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
-            assert r.status == 200
-            rid = r.headers["X-Request-Id"]
-            events = [e for e in (await r.read()).decode().split("\n\n") if e]
-        assert events[0] == 'data: {"choices": [{"text": "a"}]}' and events[1] == 'data: {"choi'
-        assert events[-1] == "data: [DONE]"
-        check_proxy_error(502, json.loads(events[-2][6:]), rid, "decode", "mid-stream")
-
-    run_scenario([Fake("prefill")], [Dies("decode")], scenario)
-    assert any("failed mid-stream" in line and "http://127.0.0.1:" in line for line in proxy_log), proxy_log
-
-
-def test_decode_silent_mid_stream_past_the_read_timeout_ends_with_a_504_event() -> None:
-    """OPERATIONS: a P or D silent for --read-timeout is a 504; once the stream began it was called a 502."""
-    class Stalls(Fake):
-        async def generate(self, request: web.Request) -> web.StreamResponse:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        else:
             await asyncio.sleep(5)
-            return resp
+        return resp
 
+
+@pytest.mark.parametrize("dies", [True, False], ids=["dies", "silent"])
+def test_decode_failing_mid_stream_ends_with_vllms_error_event(proxy_log: list[str], dies: bool) -> None:
+    """D dying mid-stream is a 502 event; D silent for --read-timeout a 504, as before the stream began
+    (OPERATIONS; it was called a 502 'failed')."""
     async def scenario(s: aiohttp.ClientSession, url: str) -> None:
         async with s.post(url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
             assert r.status == 200
             rid = r.headers["X-Request-Id"]
             events = [e for e in (await r.read()).decode().split("\n\n") if e]
-        assert events[-1] == "data: [DONE]"
-        check_proxy_error(504, json.loads(events[-2][6:]), rid, "decode", "timed out mid-stream")
+        assert events[0] == 'data: {"choices": [{"text": "a"}]}' and events[-1] == "data: [DONE]"
+        if dies:
+            assert events[1] == 'data: {"choi'
+            check_proxy_error(502, json.loads(events[-2][6:]), rid, "decode", "failed mid-stream")
+        else:
+            check_proxy_error(504, json.loads(events[-2][6:]), rid, "decode", "timed out mid-stream")
 
-    run_scenario([Fake("prefill")], [Stalls("decode")], scenario, read_timeout_s=0.5)
+    run_scenario([Fake("prefill")], [FailsMidStream(dies)], scenario, read_timeout_s=0.5)
+    assert any("failed mid-stream" in line and "http://127.0.0.1:" in line for line in proxy_log), proxy_log
 
 
 def test_request_deadline(proxy_log: list[str]) -> None:
