@@ -273,6 +273,8 @@ async def _handle_generate(request: web.Request, chat: bool) -> web.StreamRespon
         if call.stream is not None:
             return await call.end_stream(e.status, e.message)
         return e.response(rid)
+    except web.HTTPException:  # aiohttp's own answers
+        raise
     except Exception:  # a bug of the proxy: this request fails in vLLM's error shape, the proxy goes on
         logger.exception("request %s: internal error of the proxy during %s", rid, call.phase)
         if call.stream is not None:

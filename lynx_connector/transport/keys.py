@@ -2,8 +2,9 @@
 
 ``LYNX_SIDE_CHANNEL_KEY_FILE`` names a file holding the key (a k8s Secret mounted as a file: raw bytes, or hex
 text: whitespace and a leading ``0x`` ignored), ``LYNX_SIDE_CHANNEL_KEY`` holds it as hex (read the same way); at
-least 32 bytes. The file wins when both are set. Without a usable key start-up fails with `SideChannelKeyError`, naming both variables; the only way to run without one is
-``insecure_side_channel: true`` in ``kv_connector_extra_config`` (local tests), logged as a warning.
+least 32 bytes. The file wins when both are set. Without a usable key start-up fails with `SideChannelKeyError`,
+naming both variables; the only way to run without one is ``insecure_side_channel: true`` in
+``kv_connector_extra_config`` (local tests), logged as a warning.
 """
 
 from __future__ import annotations
