@@ -115,6 +115,7 @@ async def serve_pipelined(session: aiohttp.ClientSession, book: FlowBook, prefil
     try:  # a client's mode the params cannot carry (ParamsRefused): refused here, as P and D would refuse it
         p_params = book.signer.sign(prefill_params(transfer_id, token, mode))
         d_params = book.signer.sign(decode_params(endpoint, call.request_id, transfer_id, token, mode))
+        d_body = build_decode_request(body, d_params)  # before P's call starts: nothing fails between the two
     except ParamsRefused as exc:
         prefill_slots.release(p_url)
         logger.info("request %s refused: %s", call.request_id, exc)
@@ -139,7 +140,6 @@ async def serve_pipelined(session: aiohttp.ClientSession, book: FlowBook, prefil
             release()
             trace("proxy", transfer_id, "p_answered")
 
-    d_body = build_decode_request(body, d_params)  # before P's call starts: nothing fails between the two
     p_task = asyncio.create_task(run_prefill())
 
     async def p_verdict() -> None:

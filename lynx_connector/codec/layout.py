@@ -29,6 +29,8 @@ logger = init_logger(__name__)
 
 CPU_ISAS = ("vec", "vec16", "amx")
 BlockIds = torch.Tensor | list[int] | tuple[int, ...]
+#: vLLM's null block (the first its block pool hands out): where a sliding-window layer's dropped positions point.
+NULL_BLOCK_ID = 0
 
 
 @dataclass(frozen=True)
@@ -132,10 +134,13 @@ class KVLayout:
             raise ValueError(f"{num_tokens} tokens need {need} blocks, got {ids.numel()} block ids")
         ids = ids[:need]
         # The kernels index the cache with these ids unchecked (numba wrote past the layer, or a negative id into
-        # its last block); a block listed twice would take two requests' rows: refused, whatever the impl.
-        if need and (int(ids.min()) < 0 or int(ids.max()) >= kv_layer.shape[0] or ids.unique().numel() != need):
-            raise ValueError(f"block ids must be distinct and in [0, {kv_layer.shape[0]}): got "
-                             f"{ids.tolist()[:16]}{' ...' if need > 16 else ''}")
+        # its last block); a block listed twice would take two requests' rows: refused, whatever the impl. Block
+        # NULL_BLOCK_ID may repeat: vLLM lists its null block for the positions a sliding window dropped.
+        real = ids[ids != NULL_BLOCK_ID]
+        if need and (int(ids.min()) < 0 or int(ids.max()) >= kv_layer.shape[0]
+                     or real.unique().numel() != real.numel()):
+            raise ValueError(f"block ids must be distinct (but for the null block {NULL_BLOCK_ID}) and in "
+                             f"[0, {kv_layer.shape[0]}): got {ids.tolist()[:16]}{' ...' if need > 16 else ''}")
         return ids.to(kv_layer.device)
 
     def gather(self, kv_layer: torch.Tensor, block_ids: BlockIds, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,9 +23,12 @@ __all__ = ["KEY_HINT", "ReplyHandlers"]
 #: be P dropping a pending handshake under a flood of Hellos (handshake.py MAX_PENDING), not a verdict.
 AUTH_RETRIES = 3
 #: Addresses of Ps that shut down, went away or refused our handshake, remembered (D connects there only for a
-#: pull, not for a Done)
-#: until a P handshakes there again or the lease runs out.
+#: pull, not for a Done) until a P handshakes there again or the hold runs out (`_hold_dones`).
 MAX_CLOSED_ADDRS = 1024
+#: P refused our handshake AUTH_RETRIES + 1 times: a key or KV layout that differ, or a flood of Hellos from others
+#: that pushed ours out of P's pending handshakes. D cannot tell which, so the Dones it owes there stay owed but
+#: wait this long before D handshakes again to send them (not every few seconds, four handshakes each).
+REFUSED_HOLD_S = 30.0
 #: Connection attempts to a P that fail at once, in a row, before D takes that P as gone.
 GONE_REFUSALS = 2
 KEY_HINT = ("LYNX_SIDE_CHANNEL_KEY_FILE / LYNX_SIDE_CHANNEL_KEY must hold the same key on every prefill and decode "
@@ -86,9 +89,10 @@ class ReplyHandlers:
             what = ("refused our proof of the deployment key or found the KV layout/codec incompatible (P's log "
                     f"says which; {KEY_HINT})" if peer.state == "auth" else
                     f"refused the handshake ({KEY_HINT}; P's log says why)")
-            self._handshake_failed(peer, f"side-channel handshake with {where} failed: the prefill instance {what}")
+            self._fail_peer(peer, f"side-channel handshake with {where} failed: the prefill instance {what}")
+            self._hold_dones(peer.addr, REFUSED_HOLD_S, drop=False)
             return
-        self._fail_peer(peer, f"peer {where} rejected the side channel ({msg.code}): {msg.message[:200]}")
+        self._handshake_failed(peer, f"peer {where} rejected the side channel ({msg.code}): {msg.message[:200]}")
 
     def _on_reply(self, peer: PeerLink, msg: proto.Message) -> None:
         if isinstance(msg, proto.HelloOk):
@@ -152,27 +156,30 @@ class ReplyHandlers:
             "lynx sink: prefill instance %s %s: %d pull(s) from it fail now", peer.name, what, failing)
         self._fail_peer(peer, f"prefill instance {peer.name} {what} while this request was pulled from it",
                         owe_done=False)
-        self._stop_owing(peer.addr, peer.lease_s)
+        self._hold_dones(peer.addr, peer.lease_s or self.config.lease_s, drop=True)
 
     def _handshake_failed(self, peer: PeerLink, error: str) -> None:
-        """A handshake that failed for good (a key or a KV layout that differ): its pulls fail with ``error``, and D
-        owes that P no Done (each would re-handshake, failing again, every few seconds until the lease, counted on
-        P as failed authentications): P's lease frees what it staged; a new pull handshakes afresh."""
+        """A handshake that failed for good (P did not prove our key, or speaks another protocol or KV layout): its
+        pulls fail with ``error``, and D owes that P no Done (each would re-handshake, failing again, every few
+        seconds until the lease): P's lease frees what it staged; a new pull handshakes afresh."""
         self._fail_peer(peer, error, owe_done=False)
-        self._stop_owing(peer.addr, peer.lease_s)
+        self._hold_dones(peer.addr, peer.lease_s or self.config.lease_s, drop=True)
 
-    def _stop_owing(self, addr: Any, lease_s: float | None) -> None:
-        """No Done goes to ``addr`` (a P that closed, went away or refuses our handshake) until a P handshakes
-        there again or the lease runs out: those owed now are dropped, those owed later wait (`_said_closing`)."""
-        self._courier.forget(addr)
+    def _hold_dones(self, addr: Any, seconds: float, drop: bool) -> None:
+        """No Done goes to ``addr`` (a P that closed, went away or refused our handshake) for ``seconds`` or until a
+        P handshakes there again (`_said_closing`): ``drop``: those owed now are dropped too (never sendable);
+        else they wait, and are sent when the hold ends."""
+        if drop:
+            self._courier.forget(addr)
         if len(self._closed_addrs) >= MAX_CLOSED_ADDRS:
             self._closed_addrs.pop(next(iter(self._closed_addrs)))
-        self._closed_addrs[addr] = time.monotonic() + (lease_s or self.config.lease_s)
+        self._closed_addrs[addr] = time.monotonic() + seconds
 
     def _said_closing(self, addr: Any) -> bool:
-        """The P at ``addr`` shut down or went away, no P there has handshaken since, and its lease has not run
-        out: a Done owed there (a discard, perhaps of a P restarted at that address) waits for the next handshake
-        there (`DoneCourier.resume`) instead of connecting to a port nobody may listen on."""
+        """The P at ``addr`` shut down, went away or refused our handshake, no P there has handshaken since, and
+        the hold (`_hold_dones`) has not run out: a Done owed there (a discard, perhaps of a P restarted at that
+        address) waits for the next handshake there (`DoneCourier.resume`) or the hold's end instead of
+        connecting to a port nobody may listen on, or one that refuses us."""
         until = self._closed_addrs.get(addr)
         if until is None:
             return False

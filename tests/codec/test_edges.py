@@ -99,3 +99,20 @@ def test_block_ids_out_of_range_or_repeated_are_refused_before_any_write(impl: s
         with pytest.raises(ValueError, match="block ids must be distinct"):
             call()
         assert torch.equal(dst, torch.full_like(dst, 7.0))
+
+
+@pytest.mark.parametrize("impl", ["torch", "numba"])
+def test_the_null_block_may_repeat(impl: str) -> None:
+    """vLLM lists its null block (id 0) for every position a sliding window dropped: [0, 0, 2, 3] is a block table
+    (refusing it failed every long prompt of a sliding-window model); rows of real blocks decode as ever."""
+    h, bs, d = 1, 16, 64
+    layout = KVLayout.cpu(h, bs, d, torch.float32, isa="vec")
+    codec = get_codec("lynx")
+    tokens = 4 * bs
+    src = torch.randn(4, h, bs, 2 * d)
+    a, r = plane_nbytes(codec, layout, tokens)
+    anchor, residual = torch.zeros(a, dtype=torch.uint8), torch.zeros(r, dtype=torch.uint8)
+    encode(codec, src, [0, 0, 2, 3], layout, tokens, anchor, residual, impl=impl)
+    dst = torch.zeros(4, h, bs, 2 * d)
+    decode_full(codec, anchor, residual, dst, [0, 0, 2, 3], layout, tokens, impl=impl)
+    assert torch.allclose(dst[2:], src[2:], atol=0.05) and not dst[1].any()

@@ -218,6 +218,35 @@ def test_wrong_key_d_fails_the_handshake_naming_the_key(src: TransferSource, sin
     assert src.stats()["regions_live"] == 1 and src.stats()["sessions"] == 0
 
 
+def test_dones_owed_to_a_p_that_kept_refusing_are_sent_after_a_hold(src: TransferSource, sinks, monkeypatch) -> None:
+    """P dropped D's pending handshake four times (a flood of Hellos from others), then the flood ended: D cannot
+    tell that from a key or layout that differ, so its pull fails, but the Done it owes stays owed and is sent
+    once the hold (REFUSED_HOLD_S) ends: P frees the staging then, not at its lease."""
+    from lynx_connector.transport import replies
+
+    monkeypatch.setattr(replies, "REFUSED_HOLD_S", 1.0)
+    stage(src, "p1", 4096, 0)
+    refusals = [0]
+    real = src._handle_sealed
+
+    def flooded(ident, frame):
+        if ident not in src._sessions and refusals[0] < 4 and src._pending.get(ident) is not None:
+            refusals[0] += 1
+            src._pending.pop(ident)  # pushed out by a flood of Hellos
+        return real(ident, frame)
+
+    src._handle_sealed = flooded  # type: ignore[method-assign]
+    sink = sinks()
+    loc = sink.pool.alloc_request("d1", 4096, 0)
+    sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, None)
+    (ev,) = collect(sink, 1)
+    assert not ev.ok and "key" in ev.error and refusals[0] == 4
+    time.sleep(0.6)
+    assert src.stats()["regions_live"] == 1  # held: no handshake meanwhile
+    wait_for(lambda: src.stats()["freed_done"] == 1, timeout=5)  # lease_s is 30 s
+    assert src.stats()["regions_live"] == 0
+
+
 def test_stranger_knowing_the_id_but_not_the_token(src: TransferSource, sinks) -> None:
     """v1: the request id was the only credential (Query an existence oracle, anyone's Done freed it)."""
     stage(src, "p1", 4096, 4096)
