@@ -341,8 +341,9 @@ class LynxConfig:
                         ("idle_wait_s", 0.0), ("residual_grace_s", 0.0)):
             if key in extra:
                 kw[key] = _as_float(key, extra[key], minimum=lo, allow_none=key == "lease_s")
-        if "side_channel_host" in extra:
-            kw["side_channel_host"] = str(extra["side_channel_host"]).strip()
+        if "side_channel_host" in extra:  # null is no address (an empty $(POD_IP) in a template): refused
+            host = extra["side_channel_host"]
+            kw["side_channel_host"] = "" if _is_null(host) else str(host).strip()
         if not _is_null(extra.get("status_dir")):
             kw["status_dir"] = str(extra["status_dir"])
         for key in ("insecure_side_channel", "report_speculation", "layerwise"):

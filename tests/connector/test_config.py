@@ -30,6 +30,8 @@ def test_strings_are_parsed_as_numbers():
     ({"chunk_bytes": 1 << 20, "window_bytes": 1 << 16}, "window_bytes"),
     ({"fault_injection": "drop_everything"}, "fault_injection"),
     ({"side_channel_host": "  "}, "side_channel_host"),
+    ({"side_channel_host": None}, "side_channel_host"),  # was the host name "None"
+    ({"side_channel_host": "null"}, "side_channel_host"),
     # what P binds is also what it tells D: a wildcard, a URL, host:port or IPv6 (P's socket is IPv4) failed late
     ({"side_channel_host": "0.0.0.0"}, "side_channel_host.*wildcard"),
     ({"side_channel_host": "::"}, "side_channel_host"),
