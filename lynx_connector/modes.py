@@ -157,7 +157,7 @@ MODES: tuple[TransferMode, ...] = (
           "decodes on the anchor alone (lossy, for comparison); the residual is never pulled", label="lynx anchor"),
     _lynx("speculative", (ANCHOR, RESIDUAL), AFTER_ANCHOR,
           "decodes on the anchor, holds those tokens, verifies them in one pass when the residual lands "
-          "(outputs equal full's)",
+          "(outputs equal full's; preempted while holding: exact, see \"Preemption on D\")",
           first_token_after=RELEASE_ON_ANCHOR, needs_spec_scheduler=True, fallback="full",
           label="lynx speculative"),
     _baseline("bf16", "single-stream passthrough of the cache dtype's bytes", lossless=True),
