@@ -348,8 +348,6 @@ class LynxConnectorScheduler(ServedMode):
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        for req_id in connector_output.finished_recving or ():
-            self._recv_inflight.discard(req_id)
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, LynxWorkerMeta):
             self._auto.observe(meta.p_link)
@@ -363,6 +361,10 @@ class LynxConnectorScheduler(ServedMode):
                     self.spec.whole(req_id)  # reported ready only once its KV is whole
             # failed on one worker: the others' pulls are cancelled before the policy frees or reuses the blocks
             self._recv_cancelled.extend(self.spec.observe(meta))
+        # after P's choices: a load reported ready in the step that names its mode still takes it (a bf16 choice
+        # then is whole, not waiting for a residual that never comes)
+        for req_id in connector_output.finished_recving or ():
+            self._recv_inflight.discard(req_id)
         for req_id in getattr(connector_output, "failed_recving", None) or ():
             self.spec.forget(req_id)  # failed before the anchor: vLLM's own failure path applies
 

@@ -404,6 +404,22 @@ def test_d_lets_p_choose_in_the_concurrent_flow(p_choice, reason, pending):
     assert s._auto_report == {} and s.spec.pending == set()
 
 
+def test_p_choice_reported_in_the_step_its_load_is_ready_still_counts():
+    """P's bf16 choice and the load's "ready" in one worker output: the ready was taken first and the choice
+    skipped as for an ended request, so the request stayed pending a residual that a bf16 pull never reports (held
+    at the cap until its client left). The choice is taken first now."""
+    s, _ = make_p()
+    s.speculation_enabled = True
+    r = d_auto_req()
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, FakeBlocks([0, 1]), 64)
+    s.build_connector_meta(sched_out())
+    assert "d-1" in s.spec.pending
+    s.update_connector_output(SimpleNamespace(finished_recving={"d-1"}, failed_recving=(), kv_connector_worker_meta=
+                                              LynxWorkerMeta(auto_modes={"d-1": ("bf16", "fast_link", "bf16")})))
+    assert "d-1" not in s.spec.pending and s._auto_report["d-1"]["mode"] == "bf16"
+
+
 def test_d_without_speculation_serves_a_lynx_choice_as_full():
     s, _ = make_p()  # no speculative scheduler on this D
     for req_id, structured in (("d-1", False), ("d-2", True)):
