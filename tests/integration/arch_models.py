@@ -11,6 +11,9 @@ are derived from it into a test folder (the weights file is linked, or rewritten
   ``j`` of 256 is that of ``j/4`` of 64), the rest are zero, and the query is scaled by 2 for the softmax scale
   ``256**-0.5``: with the 3 KV heads kept, the model computes what SmolLM2 computes. With ``kv_heads=1`` every
   query head reads the first KV head: the text is no longer English, but every token still depends on the KV.
+* :func:`k_outlier_model`: K outlier channels. In every KV head, the RoPE pairs ``channels`` of K are scaled up by
+  ``factor`` and the same channels of the query heads that read it scaled down: q.k, hence the model, is unchanged
+  (a rotation pair scaled as one commutes with RoPE), but K now has the outlier channels some models have.
 """
 
 from __future__ import annotations
@@ -72,6 +75,25 @@ def wide_head_model(src: str, dst: Path, kv_heads: int, head_dim: int = 256) -> 
     return _derive(Path(src), dst, {"head_dim": head_dim, "num_key_value_heads": kv_heads}, weights)
 
 
+def k_outlier_model(src: str, dst: Path, channels: tuple[int, ...] = (3, 17), factor: float = 16.0) -> str:
+    """The real weights with K outlier channels (RoPE pairs ``(c, c + head_dim/2)`` of K x ``factor``, the query's
+    same channels / ``factor``): the same model, an outlier-heavy K cache."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    cols = [c for c in channels] + [c + hd // 2 for c in channels]
+    weights = {}
+    for name, w in load_file(str(Path(src) / "model.safetensors")).items():
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            heads = nh if "q_proj" in name else nkv
+            w = w.clone().view(heads, hd, -1)
+            w[:, cols] *= 1 / factor if "q_proj" in name else factor
+            w = w.reshape(heads * hd, -1)
+        weights[name] = w.contiguous()
+    return _derive(Path(src), dst, {}, weights)
+
+
 def block_tables(llm: Any) -> list[list[int]]:
     """Probe run inside an engine: installs (first call) and then drains a record of the block tables the
     connector's scheduler half is handed at ``request_finished`` (P: the blocks it sends from)."""
@@ -97,3 +119,13 @@ def kv_layout(llm: Any) -> dict[str, Any]:
 
     lay = get_kv_transfer_group().connector_worker.layout
     return {"num_heads": lay.num_heads, "head_size": lay.head_size, "block_size": lay.block_size}
+
+
+def k_channel_peaks(llm: Any, block_ids: list[int], num_tokens: int, layer: int = 0) -> list[float]:
+    """Probe: per K channel, the largest |K| over the heads and the first ``num_tokens`` tokens of ``block_ids``
+    in ``layer`` (blocks a finished request left behind: vLLM does not clear freed blocks)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    w = get_kv_transfer_group().connector_worker
+    k, _ = w.layout.gather(w.layers[layer][1], block_ids, num_tokens)
+    return k.abs().amax(dim=(0, 1)).tolist()
