@@ -142,7 +142,8 @@ class LynxConfig:
     chunk_bytes: int = 1 << 20
     #: D's bytes in flight: how many chunks' reads are posted at once, bytes.
     window_bytes: int = 8 << 20
-    #: Staging memory registered with NIXL once, per worker, MiB.
+    #: Staging memory registered with NIXL once, per worker, MiB. One request's planes must fit whole: the worker
+    #: warns at start when max_model_len tokens do not fit in an allowed mode, naming the staging_mb that does.
     staging_mb: int = 256
     #: P's side channel (zmq): the address P binds and tells D through kv_transfer_params (one D can reach: an
     #: IPv4 address or a host name; a wildcard such as 0.0.0.0, a host:port, a URL or IPv6 is a start-up error).

@@ -141,6 +141,7 @@ class LynxConnectorWorker(ReceiveHalf):
             self.sink = TransferSink(self.config.transport_config(self.tp_rank, self._key, name + "-dst"), compat,
                                      name=name + "-dst", status_extra=self._status_counters)
         self._warm_up()
+        self._check_staging_reach()
         logger.info("LynxConnector worker ready: %d layers, layout %s, mode %s, role %s, side channel %s",
                     len(self.layers), self.layout, self.config.mode,
                     self.vllm_config.kv_transfer_config.kv_role,
@@ -167,6 +168,34 @@ class LynxConnectorWorker(ReceiveHalf):
             logger.debug("LynxConnector: codec %s warmed up in %.2fs", codec.name, seconds)
         logger.info("LynxConnector: codec kernels on this cache: %s",
                     ", ".join(f"{name} {path}" for name, path in paths.items()))
+
+    def _check_staging_reach(self) -> None:
+        """Start-up: warn when the staging pool cannot hold one request of ``max_model_len`` tokens in a mode this
+        instance allows. Such a request is refused whole ("more than P's whole pool") after P prefilled it, so
+        the operator learns it here, with the longest prompt each mode can carry and the staging_mb that holds
+        them all (D's passthrough is sized as this cache's dtype: P's may differ)."""
+        max_len = getattr(self.vllm_config.model_config, "max_model_len", None)
+        if not isinstance(max_len, int) or max_len < 1:
+            return
+        pool = self.config.staging_mb << 20
+        short: dict[str, int] = {}
+        need = 0
+        for mode in self.config.allowed_modes:
+            if not is_mode(mode):  # auto picks among the others
+                continue
+            full = sum(self._plane_nbytes(mode, max_len).nbytes)
+            need = max(need, full)
+            if full > pool:
+                lo, hi = 0, max_len  # the longest prompt that fits: sizes grow with the token count
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    lo, hi = (mid, hi) if sum(self._plane_nbytes(mode, mid).nbytes) <= pool else (lo, mid - 1)
+                short[mode] = lo
+        if short:
+            logger.warning("LynxConnector: staging_mb=%d holds one request of at most %s tokens, but "
+                           "max_model_len is %d: a longer prompt in those modes fails whole after its prefill. "
+                           "staging_mb=%d holds max_model_len in every allowed mode", self.config.staging_mb,
+                           ", ".join(f"{n} ({m})" for m, n in short.items()), max_len, -(-need // (1 << 20)))
 
     def _status_counters(self) -> dict[str, Any]:
         """The worker's queues for the status file (read from a transport thread: sizes only)."""

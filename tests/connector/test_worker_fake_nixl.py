@@ -717,3 +717,41 @@ def test_d_shutting_down_tells_p_to_free_the_loads_waiting_for_staging(pair):
     while p.source.counters["freed_done"] < 1 and time.monotonic() < end:  # p1's Done: not its 30 s lease
         time.sleep(0.01)
     assert p.source.counters["freed_done"] == 1
+
+
+@pytest.mark.parametrize("max_model_len", [4096, 64])
+def test_start_up_warns_when_staging_cannot_hold_max_model_len(monkeypatch, caplog, max_model_len):
+    """One request must fit the pool whole (else it fails after P's prefill): a worker whose staging cannot hold
+    max_model_len tokens in an allowed mode says so at start, with the longest prompt that fits per mode and the
+    staging_mb that would hold them all; it is quiet when max_model_len fits."""
+    import logging
+
+    use_fake_nixl(monkeypatch)
+    cfg = LynxConfig.from_extra_config({"staging_mb": 1, "timeout_s": 2, "allowed_modes": ["full", "bf16"]})
+    vc = vcfg("kv_producer")
+    vc.model_config.max_model_len = max_model_len
+    w = worker_mod.LynxConnectorWorker(vc, "e-p", cfg)
+    try:
+        with caplog.at_level(logging.WARNING):
+            w.register_kv_caches({f"layer.{i}": torch.randn(NB, H, BS, 2 * D) for i in range(LAYERS)})
+        said = [r.getMessage() for r in caplog.records if "staging_mb=1 holds" in r.getMessage()]
+        if max_model_len == 64:
+            assert said == []
+            return
+        assert len(said) == 1, said
+
+        def size(mode: str, n: int) -> int:
+            return sum(w._plane_nbytes(mode, n).nbytes)
+
+        fits = {}
+        for mode in ("full", "bf16"):
+            if size(mode, max_model_len) > 1 << 20:
+                fits[mode] = max(n for n in range(0, max_model_len + 1, 1) if size(mode, n) <= 1 << 20)
+        assert fits, "the test's sizes must not fit 1 MiB"  # the fp32 passthrough is 1 KiB a token here
+        for mode, n in fits.items():
+            assert f"{n} ({mode})" in said[0], (mode, n, said[0])
+        need = max(size(m, max_model_len) for m in ("full", "bf16"))
+        assert f"staging_mb={-(-need // (1 << 20))} holds max_model_len" in said[0], said[0]
+        assert "max_model_len is 4096" in said[0]
+    finally:
+        w.shutdown()
