@@ -30,10 +30,10 @@ _REFUSED_KEYS = tuple(f"refused_{r}" for r in REFUSAL_REASONS)
 #: Transport counters exported as ``vllm:lynx_side_channel_events{side, event}``: P's (source) and D's (sink)
 #: names as in their ``stats()``.
 SIDE_CHANNEL_EVENTS = {
-    "p": ("malformed", "auth_failed", "refused", "bad_mac", "replayed", "unknown_request", "wrong_ticket",
+    "p": ("malformed", "other_version", "auth_failed", "refused", "bad_mac", "replayed", "unknown_request", "wrong_ticket",
           "bad_notif", "replies_dropped", "freed_lease", "keepalive_gone", "logs_suppressed"),
     "d": ("bad_mac", "replayed", "sessions_lost", "reconnects", "resent", "lease_lost",
-          "peer_closed", "peer_gone", "unsealed_ignored"),
+          "peer_closed", "peer_gone", "unsealed_ignored", "other_version"),
 }
 #: What the security seconds measure (``vllm:lynx_security_seconds{side, what}``): the per-layer checksums P
 #: computes and D verifies, and the side channel's MACs (its service threads).

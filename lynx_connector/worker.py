@@ -53,6 +53,7 @@ from lynx_connector.transport import (
     TransferSource,
     load_side_channel_key,
 )
+from lynx_connector.transport.protocol import VERSION as PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -142,10 +143,10 @@ class LynxConnectorWorker(ReceiveHalf):
                                      name=name + "-dst", status_extra=self._status_counters)
         self._warm_up()
         self._check_staging_reach()
-        logger.info("LynxConnector worker ready: %d layers, layout %s, mode %s, role %s, side channel %s",
-                    len(self.layers), self.layout, self.config.mode,
+        logger.info("LynxConnector worker ready: %d layers, layout %s, mode %s, role %s, side channel %s "
+                    "(protocol v%d)", len(self.layers), self.layout, self.config.mode,
                     self.vllm_config.kv_transfer_config.kv_role,
-                    self.source.address if self.source else None)
+                    self.source.address if self.source else None, PROTOCOL_VERSION)
 
     def _warm_up(self) -> None:
         """Compile (or load from numba's / Triton's disk cache) the kernels of every codec this instance may use,

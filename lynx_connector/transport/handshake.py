@@ -173,9 +173,10 @@ class SideChannelServer:
         try:
             msg = proto.decode(frame, self.config.max_message_bytes)
         except proto.ProtocolError as exc:
-            if "unsupported protocol version" in str(exc):
-                self.counters["malformed"] += 1
-                self._log.warn("version", str(exc))
+            if isinstance(exc, proto.VersionMismatch):  # a D of another release (a rolling upgrade), not an attack
+                self.counters["other_version"] += 1
+                self._log.warn("version", "a peer speaks another side-channel protocol: %s; P and D must run releases "
+                               "of one protocol (docs/OPERATIONS.md, \"Upgrades\")", exc)
                 self._reply_plain(ident, proto.Error(v=proto.VERSION, code="unsupported_version",
                                                      message=f"this prefill instance speaks protocol {proto.VERSION}"))
                 return

@@ -39,7 +39,7 @@ import msgspec
 from lynx_connector.limits import MAX_SECONDS
 
 __all__ = [
-    "VERSION", "ProtocolError", "Hello", "Challenge", "Auth", "HelloOk", "Query", "Regions", "NotReady", "Done",
+    "VERSION", "ProtocolError", "VersionMismatch", "Hello", "Challenge", "Auth", "HelloOk", "Query", "Regions", "NotReady", "Done",
     "Ack", "Error", "KeepAlive", "Alive", "Message", "encode", "decode", "compat_hash", "compat_diff", "proof_p", "proof_d",
     "session_key", "seal", "Opener", "SEALED", "MAX_KEEPALIVE", "MAX_TOKEN_ID", "P_TO_D", "D_TO_P", "HEX_ID_LEN", "is_hex_id",
     "is_mode_name", "CLOSING", "MIN_MESSAGE_BYTES",
@@ -92,6 +92,14 @@ def is_mode_name(value: object) -> bool:
 
 class ProtocolError(ValueError):
     """A side-channel message failed validation."""
+
+
+class VersionMismatch(ProtocolError):
+    """A well-formed frame of another protocol version (``version``: the peer's): a peer of another release."""
+
+    def __init__(self, version: int):
+        super().__init__(f"unsupported protocol version {version} (this side speaks {VERSION})")
+        self.version = version
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
@@ -215,10 +223,10 @@ def decode(frame: bytes, max_bytes: int) -> Message:
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         version = _peek_version(frame)
         if version is not None and version != VERSION:
-            raise ProtocolError(f"unsupported protocol version {version} (this side speaks {VERSION})") from None
+            raise VersionMismatch(version) from None
         raise ProtocolError(f"malformed message: {exc}") from None
     if msg.v != VERSION:
-        raise ProtocolError(f"unsupported protocol version {msg.v} (this side speaks {VERSION})")
+        raise VersionMismatch(msg.v)
     return msg
 
 

@@ -165,6 +165,15 @@ class ReplyHandlers:
         self._fail_peer(peer, error, owe_done=False)
         self._hold_dones(peer.addr, peer.lease_s or self.config.lease_s, drop=True)
 
+    def _other_version(self, peer: PeerLink, version: int) -> None:
+        """P answered our handshake in another protocol version (a rolling upgrade across a protocol change): its
+        pulls fail now, naming both versions, instead of re-sending Hellos until ``timeout_s``."""
+        self._security["other_version"] += 1
+        self._handshake_failed(peer, f"side-channel handshake with {peer.addr[0]}:{peer.addr[1]} failed: the prefill "
+                               f"instance speaks side-channel protocol {version}, this decode instance "
+                               f"{proto.VERSION}: P and D must run releases of one protocol (docs/OPERATIONS.md, "
+                               "\"Upgrades\")")
+
     def _hold_dones(self, addr: Any, seconds: float, drop: bool) -> None:
         """No Done goes to ``addr`` (a P that closed, went away or refused our handshake) for ``seconds`` or until a
         P handshakes there again (`_said_closing`): ``drop``: those owed now are dropped too (never sendable);

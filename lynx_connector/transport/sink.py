@@ -117,7 +117,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
             self._pipelined = 0  # pulls whose transfer started while P was still publishing layers
             self._early = 0  # concurrent-flow pulls (started before P may have had the request)
             self._security = {"bad_mac": 0, "replayed": 0, "sessions_lost": 0, "handshakes": 0, "handshakes_retried": 0,
-                              "unsealed_ignored": 0}
+                              "unsealed_ignored": 0, "other_version": 0}
             self._max_in = max(config.max_message_bytes, proto.MAX_MD + 4096)  # a HelloOk carries P's NIXL metadata
             self._init_first_tokens()  # concurrent flow, speculative: P's first token (transport/first_token.py)
             self._stop = False
@@ -406,6 +406,12 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
                 handler = self._on_reply
             try:
                 msg = proto.decode(frame, self._max_in)
+            except proto.VersionMismatch as exc:
+                if handler == self._on_plain and peer.state != "ready":  # P's answer to our Hello, in its version
+                    self._other_version(peer, exc.version)
+                    return
+                logger.warning("side channel from %s: rejected a reply: %s", peer.name, exc)
+                continue
             except proto.ProtocolError as exc:
                 logger.warning("side channel from %s: rejected a malformed reply: %s", peer.name, str(exc)[:200])
                 continue

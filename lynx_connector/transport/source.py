@@ -105,7 +105,7 @@ class TransferSource(SourceAnswers, SideChannelServer):
             self._pending = PendingHandshakes()  # zmq identity -> handshake in progress
             self._log = RateLimitedLog()
             self._nixl_log = RateLimitedLog("lynx source")  # not counted with the side channel's
-            self.counters = {"served_queries": 0, "malformed": 0, "freed_done": 0, "freed_lease": 0, "freed_abort": 0,
+            self.counters = {"served_queries": 0, "malformed": 0, "other_version": 0, "freed_done": 0, "freed_lease": 0, "freed_abort": 0,
                              "rejected": 0, "replies_dropped": 0, "auth_failed": 0, "refused": 0, "bad_mac": 0,
                              "replayed": 0, "unknown_request": 0, "wrong_ticket": 0, "bad_notif": 0, "sessions": 0,
                              "renewed": 0, "keepalive_gone": 0, "partial_published": 0}

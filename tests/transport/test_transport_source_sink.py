@@ -154,7 +154,7 @@ def test_malformed_messages_rejected_listener_keeps_serving(pair) -> None:
         assert proto.decode(raw.recv(), 1 << 20).code == "unsupported_version"
     finally:
         raw.close()
-    assert src.stats()["malformed"] >= 4 and src.stats()["refused"] >= 2
+    assert src.stats()["malformed"] >= 3 and src.stats()["refused"] >= 2 and src.stats()["other_version"] == 1
     st = stage(src, "p1", 4096, 0)
     loc = sink.pool.alloc_request("d1", 4096, 0)
     sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, None)
@@ -210,6 +210,58 @@ def test_silent_peer_fails_within_timeout(fabric: FakeFabric) -> None:
     finally:
         sink.close()
         silent.close()
+
+
+def test_a_p_of_another_protocol_version_fails_the_pull_at_once(fabric: FakeFabric) -> None:
+    """A rolling upgrade across a protocol change: P answers D's Hello with its Error in its own version (as every
+    release does). D fails the pull at once, naming both versions, counts it, owes that P no Done and sends no
+    more Hellos; before, it dropped the answer as malformed and re-sent Hellos until timeout_s."""
+    ctx = zmq.Context.instance()
+    old_p = ctx.socket(zmq.ROUTER)
+    old_p.setsockopt(zmq.LINGER, 0)
+    port = old_p.bind_to_random_port("tcp://127.0.0.1")
+    other = proto.VERSION - 1
+    sink = TransferSink(TransportConfig(pool_bytes=1 << 16, timeout_s=5.0, key=TEST_KEY), COMPAT,
+                        nixl=FakeNixlWrapper(fabric, "D"))
+    try:
+        loc = sink.pool.alloc_request("d", 4096, 4096)
+        t0 = time.monotonic()
+        sink.pull("d", "127.0.0.1", port, "a" * 32, "b" * 32, loc.anchor, loc.residual)
+        assert old_p.poll(3000)
+        ident, hello = old_p.recv_multipart()
+        assert isinstance(proto.decode(hello, 1 << 16), proto.Hello)
+        old_p.send_multipart([ident, proto.encode(proto.Error(v=other, code="unsupported_version",
+                                                              message=f"this prefill instance speaks protocol {other}"))])
+        evs = collect(sink, 2, timeout=3.0)
+        assert time.monotonic() - t0 < 2.0  # not timeout_s
+        assert [e.stream for e in evs] == ["anchor", "residual"] and not any(e.ok for e in evs)
+        assert all(f"protocol {other}, this decode instance {proto.VERSION}" in e.error for e in evs), evs[0].error
+        st = sink.stats()
+        assert st["other_version"] == 1 and st["peers"] == 0 and st["pulls_live"] == 0
+        assert st["dones_owed"] == 0  # that P cannot read our Done: its lease frees what it staged
+        assert not old_p.poll(300)  # no Hello re-sent
+    finally:
+        sink.close()
+        old_p.close()
+
+
+def test_p_counts_a_hello_of_another_version_apart_from_malformed_frames(pair) -> None:
+    """P answers a Hello of another protocol version with unsupported_version and counts other_version (a D of
+    another release during an upgrade), not malformed (which the operators' attack alert watches)."""
+    src, _ = pair
+    ctx = zmq.Context.instance()
+    d = ctx.socket(zmq.DEALER)
+    d.setsockopt(zmq.LINGER, 0)
+    d.connect(f"tcp://127.0.0.1:{src.address[1]}")
+    try:
+        d.send(proto.encode(proto.Hello(v=proto.VERSION + 1, nonce_d=b"n" * 16, compat_hash="0" * 64)))
+        assert d.poll(3000)
+        err = proto.decode(d.recv(), 1 << 16)
+        assert isinstance(err, proto.Error) and err.code == "unsupported_version"
+        wait_for(lambda: src.stats()["other_version"] == 1)
+        assert src.stats()["malformed"] == 0
+    finally:
+        d.close()
 
 
 def hung_pull(src: TransferSource, sink: TransferSink, p_req: str, d_req: str) -> FakeNixlWrapper:
