@@ -173,8 +173,10 @@ class SideChannelServer:
         try:
             msg = proto.decode(frame, self.config.max_message_bytes)
         except proto.ProtocolError as exc:
-            if isinstance(exc, proto.VersionMismatch):  # a D of another release (a rolling upgrade), not an attack
-                self.counters["other_version"] += 1
+            if isinstance(exc, proto.VersionMismatch):
+                # a Hello of another version: a D of another release (a rolling upgrade), no more than a handshake
+                # begun; any other frame of another version counts as malformed, as the security alert expects
+                self.counters["other_version" if exc.kind == "hello" else "malformed"] += 1
                 self._log.warn("version", "a peer speaks another side-channel protocol: %s; P and D must run releases "
                                "of one protocol (docs/OPERATIONS.md, \"Upgrades\")", exc)
                 self._reply_plain(ident, proto.Error(v=proto.VERSION, code="unsupported_version",

@@ -95,11 +95,12 @@ class ProtocolError(ValueError):
 
 
 class VersionMismatch(ProtocolError):
-    """A well-formed frame of another protocol version (``version``: the peer's): a peer of another release."""
+    """A msgpack map whose ``v`` is another protocol version (``version``; ``kind``: its ``type`` when a string):
+    a peer of another release, or anybody who writes such a map (nothing else of it is checked)."""
 
-    def __init__(self, version: int):
+    def __init__(self, version: int, kind: str | None = None):
         super().__init__(f"unsupported protocol version {version} (this side speaks {VERSION})")
-        self.version = version
+        self.version, self.kind = version, kind
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
@@ -221,23 +222,26 @@ def decode(frame: bytes, max_bytes: int) -> Message:
     try:
         msg = _decoder.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        version = _peek_version(frame)
+        version, kind = _peek_version(frame)
         if version is not None and version != VERSION:
-            raise VersionMismatch(version) from None
+            raise VersionMismatch(version, kind) from None
         raise ProtocolError(f"malformed message: {exc}") from None
     if msg.v != VERSION:
-        raise VersionMismatch(msg.v)
+        raise VersionMismatch(msg.v, msg.__struct_config__.tag)
     return msg
 
 
-def _peek_version(frame: bytes) -> int | None:
-    """The ``v`` of a frame that is a msgpack map but not a valid message of this version (an older or newer peer), else None."""
+def _peek_version(frame: bytes) -> tuple[int | None, str | None]:
+    """The ``v`` and ``type`` of a frame that is a msgpack map but not a valid message of this version (an older
+    or newer peer), else None for either."""
     try:
         obj = msgspec.msgpack.decode(frame)
     except Exception:
-        return None
-    v = obj.get("v") if isinstance(obj, dict) else None
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+        return None, None
+    if not isinstance(obj, dict):
+        return None, None
+    v, kind = obj.get("v"), obj.get("type")
+    return (v if isinstance(v, int) and not isinstance(v, bool) else None), (kind if isinstance(kind, str) else None)
 
 
 # ---- handshake and sealed frames ------------------------------------------------------------------

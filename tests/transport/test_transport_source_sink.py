@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -260,6 +261,12 @@ def test_p_counts_a_hello_of_another_version_apart_from_malformed_frames(pair) -
         assert isinstance(err, proto.Error) and err.code == "unsupported_version"
         wait_for(lambda: src.stats()["other_version"] == 1)
         assert src.stats()["malformed"] == 0
+        # anything else that merely carries another "v" is no Hello: malformed, which the security alert watches
+        d.send(msgspec.msgpack.encode({"v": 99, "type": "anything"}))
+        assert d.poll(3000)
+        assert proto.decode(d.recv(), 1 << 16).code == "unsupported_version"
+        wait_for(lambda: src.stats()["malformed"] == 1)
+        assert src.stats()["other_version"] == 1
     finally:
         d.close()
 
