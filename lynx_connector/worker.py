@@ -178,25 +178,30 @@ class LynxConnectorWorker(ReceiveHalf):
         max_len = getattr(self.vllm_config.model_config, "max_model_len", None)
         if not isinstance(max_len, int) or max_len < 1:
             return
-        pool = self.config.staging_mb << 20
+        endpoint = self.source if self.source is not None else self.sink
+        if endpoint is None:
+            return
         short: dict[str, int] = {}
         need = 0
+
+        def fits(mode: str, n: int) -> bool:  # as the pool places a request (its anchor region aligned)
+            return endpoint.pool.fits(*self._plane_nbytes(mode, n).nbytes)
+
         for mode in self.config.allowed_modes:
             if not is_mode(mode):  # auto picks among the others
                 continue
-            full = sum(self._plane_nbytes(mode, max_len).nbytes)
-            need = max(need, full)
-            if full > pool:
+            need = max(need, sum(self._plane_nbytes(mode, max_len).nbytes))
+            if not fits(mode, max_len):
                 lo, hi = 0, max_len  # the longest prompt that fits: sizes grow with the token count
                 while lo < hi:
                     mid = (lo + hi + 1) // 2
-                    lo, hi = (mid, hi) if sum(self._plane_nbytes(mode, mid).nbytes) <= pool else (lo, mid - 1)
+                    lo, hi = (mid, hi) if fits(mode, mid) else (lo, mid - 1)
                 short[mode] = lo
         if short:
             logger.warning("LynxConnector: staging_mb=%d holds one request of at most %s tokens, but "
                            "max_model_len is %d: a longer prompt in those modes fails whole after its prefill. "
                            "staging_mb=%d holds max_model_len in every allowed mode", self.config.staging_mb,
-                           ", ".join(f"{n} ({m})" for m, n in short.items()), max_len, -(-need // (1 << 20)))
+                           ", ".join(f"{n} ({m})" for m, n in short.items()), max_len, -(-(need + 4096) // (1 << 20)))  # + the anchor's alignment
 
     def _status_counters(self) -> dict[str, Any]:
         """The worker's queues for the status file (read from a transport thread: sizes only)."""
