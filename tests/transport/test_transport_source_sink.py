@@ -193,17 +193,23 @@ def test_lease_expiry_abort_and_pool_full(fabric: FakeFabric) -> None:
         src.close()
 
 
-def test_silent_peer_fails_within_timeout(fabric: FakeFabric) -> None:
-    ctx = zmq.Context.instance()
-    silent = ctx.socket(zmq.ROUTER)
-    silent.setsockopt(zmq.LINGER, 0)
-    port = silent.bind_to_random_port("tcp://127.0.0.1")
-    sink = TransferSink(TransportConfig(pool_bytes=1 << 16, timeout_s=0.5, key=TEST_KEY), COMPAT,
+def pull_from_a_bare_router(fabric: FakeFabric, timeout_s: float) -> tuple[zmq.Socket, TransferSink, float]:
+    """A zmq ROUTER on 127.0.0.1 standing in for P (it answers only what the test sends), and a sink that has
+    started one pull ("d") from it; returns them and the pull's start time."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    sink = TransferSink(TransportConfig(pool_bytes=1 << 16, timeout_s=timeout_s, key=TEST_KEY), COMPAT,
                         nixl=FakeNixlWrapper(fabric, "D"))
+    loc = sink.pool.alloc_request("d", 4096, 4096)
+    t0 = time.monotonic()
+    sink.pull("d", "127.0.0.1", port, "a" * 32, "b" * 32, loc.anchor, loc.residual)
+    return router, sink, t0
+
+
+def test_silent_peer_fails_within_timeout(fabric: FakeFabric) -> None:
+    silent, sink, t0 = pull_from_a_bare_router(fabric, 0.5)
     try:
-        loc = sink.pool.alloc_request("d", 4096, 4096)
-        t0 = time.monotonic()
-        sink.pull("d", "127.0.0.1", port, "a" * 32, "b" * 32, loc.anchor, loc.residual)
         evs = collect(sink, 2, timeout=3.0)
         assert time.monotonic() - t0 < 1.5
         assert [e.stream for e in evs] == ["anchor", "residual"] and all("did not serve" in e.error for e in evs)
@@ -217,17 +223,9 @@ def test_a_p_of_another_protocol_version_fails_the_pull_at_once(fabric: FakeFabr
     """A rolling upgrade across a protocol change: P answers D's Hello with its Error in its own version (as every
     release does). D fails the pull at once, naming both versions, counts it, owes that P no Done and sends no
     more Hellos; before, it dropped the answer as malformed and re-sent Hellos until timeout_s."""
-    ctx = zmq.Context.instance()
-    old_p = ctx.socket(zmq.ROUTER)
-    old_p.setsockopt(zmq.LINGER, 0)
-    port = old_p.bind_to_random_port("tcp://127.0.0.1")
     other = proto.VERSION - 1
-    sink = TransferSink(TransportConfig(pool_bytes=1 << 16, timeout_s=5.0, key=TEST_KEY), COMPAT,
-                        nixl=FakeNixlWrapper(fabric, "D"))
+    old_p, sink, t0 = pull_from_a_bare_router(fabric, 5.0)
     try:
-        loc = sink.pool.alloc_request("d", 4096, 4096)
-        t0 = time.monotonic()
-        sink.pull("d", "127.0.0.1", port, "a" * 32, "b" * 32, loc.anchor, loc.residual)
         assert old_p.poll(3000)
         ident, hello = old_p.recv_multipart()
         assert isinstance(proto.decode(hello, 1 << 16), proto.Hello)
