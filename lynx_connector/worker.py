@@ -53,6 +53,7 @@ from lynx_connector.transport import (
     TransferSource,
     load_side_channel_key,
 )
+from lynx_connector.transport.pool import ALIGN as STAGING_ALIGN
 from lynx_connector.transport.protocol import VERSION as PROTOCOL_VERSION
 
 if TYPE_CHECKING:
@@ -201,7 +202,8 @@ class LynxConnectorWorker(ReceiveHalf):
             logger.warning("LynxConnector: staging_mb=%d holds one request of at most %s tokens, but "
                            "max_model_len is %d: a longer prompt in those modes fails whole after its prefill. "
                            "staging_mb=%d holds max_model_len in every allowed mode", self.config.staging_mb,
-                           ", ".join(f"{n} ({m})" for m, n in short.items()), max_len, -(-(need + 4096) // (1 << 20)))  # + the anchor's alignment
+                           ", ".join(f"{n} ({m})" for m, n in short.items()), max_len,
+                           -(-(need + STAGING_ALIGN) // (1 << 20)))  # + the anchor region's alignment
 
     def _status_counters(self) -> dict[str, Any]:
         """The worker's queues for the status file (read from a transport thread: sizes only)."""

@@ -97,7 +97,9 @@ def k_outlier_model(src: str, dst: Path, channels: tuple[int, ...] = (3, 17), fa
 def block_tables(llm: Any) -> list[list[int]]:
     """Probe run inside an engine: installs (first call) and then drains a record of the block tables the
     connector's scheduler half is handed at ``request_finished`` (P: the blocks it sends from)."""
-    half = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler
+    from tests.integration.spec_probes import _core
+
+    half = _core(llm).scheduler.connector.connector_scheduler
     rec = half.__dict__.get("_test_tables")
     if rec is None:
         rec = half._test_tables = []

@@ -10,7 +10,7 @@ from typing import Any
 
 from lynx_connector.lab.engine import ENGINE_ENV, EngineProcess
 
-__all__ = ["ENGINE_ENV", "SPEC_ENV", "EngineProcess", "SpecEngine", "lynx_kv_config"]
+__all__ = ["ENGINE_ENV", "SPEC_ENV", "EngineProcess", "SpecEngine", "aligned_prompt", "lynx_kv_config"]
 
 #: ``kv_transfer_params["lynx_test_hooks"]`` is honoured only with this in the engine's environment.
 SPEC_ENV = {"LYNX_TEST_HOOKS": "1"}
@@ -27,6 +27,14 @@ def lynx_kv_config(mode: str = "full", **extra: Any) -> dict[str, Any]:
         "kv_role": "kv_both",
         "kv_connector_extra_config": cfg,
     }
+
+
+def aligned_prompt(ids: list[int], block: int = 32) -> list[int]:
+    """Drop a few haystack tokens so that len(ids) == k*block + 1 (keeps the chat header and the question): a
+    local engine's second run of such a prompt computes its last token alone on its prefix cache, as D does after
+    loading the first k*block, so the two runs' logprobs can be compared bit for bit."""
+    drop = (len(ids) - 1) % block
+    return ids[:3] + ids[3 + drop:]
 
 
 class SpecEngine(EngineProcess):

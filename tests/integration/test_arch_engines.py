@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration import arch_models
-from tests.integration.engines import EngineProcess, SpecEngine, lynx_kv_config
+from tests.integration.engines import EngineProcess, SpecEngine, aligned_prompt, lynx_kv_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -27,13 +27,6 @@ SHAPES = {
 }
 
 
-def _aligned(ids: list[int], block: int = 32) -> list[int]:
-    """Drop a few haystack tokens so that len(ids) == k*block + 1 (see test_pd_engines: the local engine's second
-    run then computes the last prompt token alone on its prefix cache, as D does)."""
-    drop = (len(ids) - 1) % block
-    return ids[:3] + ids[3 + drop:]
-
-
 @pytest.fixture(scope="module")
 def prompts(model):
     from transformers import AutoTokenizer
@@ -41,7 +34,7 @@ def prompts(model):
     from lynx_connector.lab.data import build_needle_prompt
 
     tok = AutoTokenizer.from_pretrained(model)
-    return [_aligned(build_needle_prompt(tok, n, depth=d, seed=s).token_ids) for n, d, s in ((900, 0.3, 1),
+    return [aligned_prompt(build_needle_prompt(tok, n, depth=d, seed=s).token_ids) for n, d, s in ((900, 0.3, 1),
                                                                                             (1300, 0.8, 2))]
 
 

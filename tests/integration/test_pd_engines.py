@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.integration.engines import SPEC_ENV, EngineProcess, lynx_kv_config
+from tests.integration.engines import SPEC_ENV, EngineProcess, aligned_prompt, lynx_kv_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -51,12 +51,6 @@ def run_pd(p, d, prompts, mode, **sampling):
     return d.generate(ids, params, max_tokens=MAX_TOKENS, **sampling), params
 
 
-def _aligned(ids: list[int], block: int = 32) -> list[int]:
-    """Drop a few haystack tokens so that len(ids) == k*block + 1 (keeps the chat header and the question)."""
-    drop = (len(ids) - 1) % block
-    return ids[:3] + ids[3 + drop:]
-
-
 def test_bf16_passthrough_logprobs_equal_local_run_exactly(engines, prompts):
     """Lossless transfer: D's logprobs equal the local run's bit for bit.
 
@@ -67,7 +61,7 @@ def test_bf16_passthrough_logprobs_equal_local_run_exactly(engines, prompts):
     """
     p, d, local = engines
     for pr in prompts:  # one request at a time: a batch of two would change the float reduction order
-        ids = [_aligned(pr.token_ids)]
+        ids = [aligned_prompt(pr.token_ids)]
         local.generate(ids, max_tokens=1)  # fill the local prefix cache
         ref = local.generate(ids, max_tokens=MAX_TOKENS, logprobs=1)
         assert ref[0]["num_cached_tokens"] == len(ids[0]) - 1
