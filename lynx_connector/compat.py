@@ -15,7 +15,12 @@ What must match is the compat dict below, compared field by field at the side-ch
 its layers (count and names, in order), the KV heads of this rank and the head size, the Lynx codec's options
 (they define the planes' format), the staged format's checksum trailers (``INTEGRITY_FORMAT``), and the
 tensor-parallel rank and size (P's rank r serves D's rank r its shard of the heads; a mismatch is a clear error,
-not a silent garbled cache).
+not a silent garbled cache), and what else makes the same model path compute other K/V (:func:`model_identity`):
+the model's revision as vLLM resolved it (a hub model's commit: P and D that resolved ``main`` on different days
+may hold different weights) and its RoPE parameters after ``--hf-overrides`` (a scaled RoPE on one side turns K by
+other angles). These two are later fields (``transport.protocol.LATER_COMPAT_FIELDS``): a D of an earlier release
+does not send them, and P then compares the rest. Weights are not compared by content, nor the quantization
+method: a quantized P's KV is its own, like its dtype's rounding.
 """
 
 from __future__ import annotations
@@ -54,10 +59,22 @@ def staged_dtype(name: str) -> torch.dtype | None:
     raise ValueError(f"lynx_kv_dtype {name!r} is not one of {staged_dtype_names()}")
 
 
+def model_identity(model_config: Any) -> dict[str, str]:
+    """The later compat fields of a vLLM ``ModelConfig`` (module docstring): ``model_revision`` (``""`` for a
+    local path) and ``rope``, the canonical JSON of the text config's RoPE parameters (``""`` when it has none)."""
+    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    rope = getattr(hf, "rope_parameters", None)
+    if rope is None and hf is not None:  # transformers before rope_parameters spelled them apart
+        rope = {k: v for k in ("rope_theta", "rope_scaling") if (v := getattr(hf, k, None)) is not None} or None
+    return {"model_revision": str(getattr(model_config, "revision", None) or ""),
+            "rope": json.dumps(rope, sort_keys=True, default=str) if rope else ""}
+
+
 def kv_compat(*, model: str, layer_names: list[str], layout: KVLayout, codec_options: Mapping[str, Any],
-              tp_rank: int, tp_size: int) -> dict[str, Any]:
+              tp_rank: int, tp_size: int, identity: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The fields P and D must agree on (module docstring); block size, backend, ISA and dtype are not among
-    them."""
+    them. ``identity``: :func:`model_identity` of the model config (None: not compared, as from an earlier
+    release)."""
     from lynx_connector.codec import INTEGRITY_FORMAT, get_codec
     from lynx_connector.modes import LYNX_CODEC
 
@@ -78,4 +95,5 @@ def kv_compat(*, model: str, layer_names: list[str], layout: KVLayout, codec_opt
         "integrity": INTEGRITY_FORMAT,  # the staged layout's trailers
         "tp_rank": tp_rank,
         "tp_size": tp_size,
+        **(identity or {}),
     }

@@ -31,7 +31,7 @@ from lynx_connector.codec import (
     staged_layout,
     staging_id,
 )
-from lynx_connector.compat import dtype_name, kv_compat
+from lynx_connector.compat import dtype_name, kv_compat, model_identity
 from lynx_connector.config import LynxConfig
 from lynx_connector.layerwise import StagingJob
 from lynx_connector.logger import init_logger
@@ -131,7 +131,8 @@ class LynxConnectorWorker(ReceiveHalf):
                                  f"{tuple(first.shape)} {first.dtype} like the first layer")
         # What P and D must share, and nothing else: block size, layout and cache dtype may differ (compat.py)
         compat = kv_compat(model=model_cfg.model, layer_names=[n for n, _ in self.layers], layout=self.layout,
-                           codec_options=self.config.codec_options, tp_rank=self.tp_rank, tp_size=self.tp_size)
+                           codec_options=self.config.codec_options, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                           identity=model_identity(model_cfg))
         name = f"lynx-{self.engine_id}-tp{self.tp_rank}"
         if self.is_producer:
             self.source = TransferSource(self.config.transport_config(self.tp_rank, self._key, name + "-src"), compat,
@@ -185,13 +186,17 @@ class LynxConnectorWorker(ReceiveHalf):
         short: dict[str, int] = {}
         need = 0
 
+        def layout(mode: str, n: int) -> StagedLayout:  # a D-only instance stages no residual it never pulls
+            sl = self._plane_nbytes(mode, n)
+            return sl.without_residual() if self.source is None and not get_mode(mode).pulls_residual else sl
+
         def fits(mode: str, n: int) -> bool:  # as the pool places a request (its anchor region aligned)
-            return endpoint.pool.fits(*self._plane_nbytes(mode, n).nbytes)
+            return endpoint.pool.fits(*layout(mode, n).nbytes)
 
         for mode in self.config.allowed_modes:
             if not is_mode(mode):  # auto picks among the others
                 continue
-            need = max(need, sum(self._plane_nbytes(mode, max_len).nbytes))
+            need = max(need, sum(layout(mode, max_len).nbytes))
             if not fits(mode, max_len):
                 lo, hi = 0, max_len  # the longest prompt that fits: sizes grow with the token count
                 while lo < hi:

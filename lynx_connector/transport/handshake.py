@@ -92,6 +92,9 @@ class Session:
     opener: proto.Opener
     send_seq: int = 0
     last_seen: float = field(default_factory=time.monotonic)
+    #: the compat hash this session's HelloOk carries (``proto.compat_hash_for``: a D of an earlier release
+    #: gets the hash of the fields it sent)
+    compat_hash: str = ""
 
 
 class RateLimitedLog:
@@ -249,10 +252,14 @@ class SideChannelServer:
                          "handshake refused: the peer did not prove the deployment key (a different "
                          "LYNX_SIDE_CHANNEL_KEY(_FILE), or insecure_side_channel on one side only)")
             return
-        diff = proto.compat_diff(self.compat, msg.compat)
+        diff = proto.compat_diff(self.compat, msg.compat, optional=proto.LATER_COMPAT_FIELDS)
         if diff:
             self._refuse(ident, "auth_failed", "incompatible", "handshake refused: incompatible peer: " + "; ".join(diff))
             return
+        unsent = [k for k in proto.LATER_COMPAT_FIELDS if k in self.compat and k not in msg.compat]
+        if unsent:  # a D of an earlier release: compared on the fields it knows
+            self._log.warn("earlier_release", "a peer of an earlier release did not send %s: not compared (upgrade "
+                           "it to check them)", ", ".join(unsent))
         owner = secrets.token_bytes(16)
         if msg.resume:  # D reconnected: its transfers stay its own
             for old_ident, old in list(self._sessions.items()):
@@ -263,14 +270,15 @@ class SideChannelServer:
         self._sessions.pop(ident, None)
         if len(self._sessions) >= MAX_SESSIONS:
             self._sessions.popitem(last=False)
-        sess = Session(session_id=secrets.token_bytes(16), owner=owner, skey=skey, opener=opener)
+        sess = Session(session_id=secrets.token_bytes(16), owner=owner, skey=skey, opener=opener,
+                       compat_hash=proto.compat_hash_for(self.compat, msg.compat))
         self._sessions[ident] = sess
         self.counters["sessions"] += 1
         self._reply_sealed(ident, sess, self._hello_ok(sess))
 
     def _hello_ok(self, sess: Session) -> proto.HelloOk:
         return proto.HelloOk(v=proto.VERSION, agent_name=self.name, agent_md=self._md, pool_addr=self.pool.base_addr,
-                             pool_nbytes=self.pool.nbytes, compat_hash=self.compat_hash, session_id=sess.session_id,
+                             pool_nbytes=self.pool.nbytes, compat_hash=sess.compat_hash, session_id=sess.session_id,
                              lease_s=self.config.lease_s)
 
 

@@ -32,6 +32,7 @@ import json
 import struct
 import threading
 import time
+from collections.abc import Collection
 from typing import Annotated, Any
 
 import msgspec
@@ -40,7 +41,7 @@ from lynx_connector.limits import MAX_SECONDS
 
 __all__ = [
     "VERSION", "ProtocolError", "VersionMismatch", "Hello", "Challenge", "Auth", "HelloOk", "Query", "Regions", "NotReady", "Done",
-    "Ack", "Error", "KeepAlive", "Alive", "Message", "encode", "decode", "compat_hash", "compat_diff", "proof_p", "proof_d",
+    "Ack", "Error", "KeepAlive", "Alive", "Message", "encode", "decode", "compat_hash", "compat_hash_for", "compat_diff", "LATER_COMPAT_FIELDS", "proof_p", "proof_d",
     "session_key", "seal", "Opener", "SEALED", "MAX_KEEPALIVE", "MAX_TOKEN_ID", "P_TO_D", "D_TO_P", "HEX_ID_LEN", "is_hex_id",
     "is_mode_name", "CLOSING", "MIN_MESSAGE_BYTES",
 ]
@@ -65,6 +66,11 @@ MAX_KEEPALIVE = 256  # tickets per KeepAlive frame (about 70 bytes each: far bel
 #: MAX_KEEPALIVE tickets (about 17.7 KB) must fit, or P refuses D's lease renewals.
 MIN_MESSAGE_BYTES = 32 << 10
 CompatValue = str | int | float | bool | None
+#: Compat fields added after protocol v4 was first released (lynx_connector/compat.py). D sends them; P compares
+#: each one D sent and does not require them, so a D of an earlier release still passes a P of this one (upgrade
+#: P's first: an earlier P refuses a D that sends a field it does not know, naming it). P's HelloOk hash then
+#: covers the fields D sent (:func:`compat_hash_for`).
+LATER_COMPAT_FIELDS: tuple[str, ...] = ("model_revision", "rope")
 Compat = Annotated[dict[Annotated[str, msgspec.Meta(max_length=64)], CompatValue], msgspec.Meta(max_length=64)]
 
 SEALED = 0xC1
@@ -309,12 +315,21 @@ def compat_hash(compat: dict[str, Any]) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()
 
 
-def compat_diff(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
-    """Human-readable differences, one per field: `name: ours=X theirs=Y`."""
+def compat_hash_for(ours: dict[str, Any], theirs: dict[str, Any]) -> str:
+    """The compat hash P answers a D with: of P's fields, those :data:`LATER_COMPAT_FIELDS` D did not send left
+    out, so a D of an earlier release finds the hash of its own fields (when they match)."""
+    return compat_hash({k: v for k, v in ours.items() if k in theirs or k not in LATER_COMPAT_FIELDS})
+
+
+def compat_diff(ours: dict[str, Any], theirs: dict[str, Any], optional: Collection[str] = ()) -> list[str]:
+    """Human-readable differences, one per field: `name: ours=X theirs=Y`. A field of ``optional`` that
+    ``theirs`` lacks is not compared (a peer of an earlier release: :data:`LATER_COMPAT_FIELDS`)."""
     missing = object()
     out = []
     for key in sorted(set(ours) | set(theirs)):
         a, b = ours.get(key, missing), theirs.get(key, missing)
+        if b is missing and key in optional:
+            continue
         if a != b or type(a) is not type(b):
             fa = "<missing>" if a is missing else repr(a)
             fb = "<missing>" if b is missing else repr(b)

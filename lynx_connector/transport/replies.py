@@ -65,7 +65,8 @@ class ReplyHandlers:
             peer.auth(self.compat)
             return
         if not isinstance(msg, proto.Error):
-            logger.warning("side channel from %s: unexpected %s outside a session", where, type(msg).__name__)
+            self._log.warn("unexpected", "side channel from %s: unexpected %s outside a session", where,
+                           type(msg).__name__)
             return
         if peer.state == "ready" and msg.code == "refused":
             # P no longer knows our session (restarted, or dropped it): a fresh connection and full handshake
@@ -86,8 +87,8 @@ class ReplyHandlers:
             self._reconnect(peer, time.monotonic(), why="refused our handshake (trying again, in case P dropped it)")
             return
         if msg.code == "refused":
-            what = ("refused our proof of the deployment key or found the KV layout/codec incompatible (P's log "
-                    f"says which; {KEY_HINT})" if peer.state == "auth" else
+            what = ("refused our proof of the deployment key or found the model, KV layout or codec incompatible "
+                    f"(P's log says which; {KEY_HINT})" if peer.state == "auth" else
                     f"refused the handshake ({KEY_HINT}; P's log says why)")
             self._fail_peer(peer, f"side-channel handshake with {where} failed: the prefill instance {what}")
             self._hold_dones(peer.addr, REFUSED_HOLD_S, drop=False)
@@ -123,7 +124,7 @@ class ReplyHandlers:
                 self._fail(pull, f"peer {peer.name} no longer holds transfer {pull.transfer_id[:8]}… of "
                            f"{pull.req_id!r} while it is being pulled (its lease ran out or it was freed)")
         else:
-            logger.warning("side channel from %s:%s: unexpected %s", *peer.addr, type(msg).__name__)
+            self._log.warn("unexpected", "side channel from %s:%s: unexpected %s", *peer.addr, type(msg).__name__)
 
     def _on_monitor(self, peer: PeerLink) -> None:
         """zmq's events on the connection to ``peer``: connected again by itself (whoever answers there now, P

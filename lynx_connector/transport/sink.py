@@ -112,7 +112,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
             self._peers_closed = 0  # P peers that said they were shutting down (Error "closing")
             self._peers_gone = 0  # ... and that went away without a word (their side-channel port refuses)
             self._closed_addrs: dict[Addr, float] = {}  # their addresses -> until when no Done connects there
-            self._log = RateLimitedLog("lynx sink")  # frames that are not P's (unsealed errors in a session)
+            self._log = RateLimitedLog("lynx sink")  # bad or unexpected frames: one line a second per kind
             self._keepalives = 0
             self._pipelined = 0  # pulls whose transfer started while P was still publishing layers
             self._early = 0  # concurrent-flow pulls (started before P may have had the request)
@@ -401,7 +401,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
                 verdict, frame = peer.opener.open(frame) if peer.opener is not None else ("bad_mac", b"")
                 if verdict != "ok":
                     self._security[verdict] += 1
-                    logger.warning("side channel from %s: dropped a frame (%s)", peer.name, verdict)
+                    self._log.warn(verdict, "side channel from %s: dropped a frame (%s)", peer.name, verdict)
                     continue
                 handler = self._on_reply
             try:
@@ -410,10 +410,10 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
                 if handler == self._on_plain and peer.state != "ready":  # P's answer to our Hello, in its version
                     self._other_version(peer, exc.version)
                     return
-                logger.warning("side channel from %s: rejected a reply: %s", peer.name, exc)
+                self._log.warn("other_version", "side channel from %s: rejected a reply: %s", peer.name, exc)
                 continue
             except proto.ProtocolError as exc:
-                logger.warning("side channel from %s: rejected a malformed reply: %s", peer.name, str(exc)[:200])
+                self._log.warn("malformed", "side channel from %s: rejected a malformed reply: %s", peer.name, exc)
                 continue
             handler(peer, msg)
             if self._peers.get(peer.addr) is not peer:

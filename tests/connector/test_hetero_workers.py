@@ -160,7 +160,7 @@ def test_compat_names_what_must_match_and_nothing_else(make, caplog):
     (p, _), (d, _) = make("kv_producer", 32, F32), make("kv_consumer", 128, BF16)
     assert p.source.compat == d.sink.compat  # block size, layout and dtype are not compat fields
     assert set(p.source.compat) == {"model", "layers", "layer_names", "kv_heads", "head_size", "lynx_codec",
-                                    "integrity", "tp_rank", "tp_size"}
+                                    "integrity", "tp_rank", "tp_size", "model_revision", "rope"}
     p.source.compat["tp_size"] = 2  # a P of another tensor-parallel size
     errors = load_errors(d)
     done, failed = transfer(p, d, "full", 32, 128, p_frees=False)

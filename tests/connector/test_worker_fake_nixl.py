@@ -762,3 +762,38 @@ def test_start_up_warns_when_staging_cannot_hold_max_model_len(monkeypatch, capl
         assert "max_model_len is 4096" in said[0]
     finally:
         w.shutdown()
+
+
+def test_start_up_staging_check_counts_what_d_stages_in_the_anchor_mode(monkeypatch, caplog):
+    """A decode-only worker stages no residual for the anchor-only mode (it is never pulled): its start-up check
+    judges that mode by the anchor plane alone, while P, which stages both planes, warns for the same length."""
+    import logging
+
+    use_fake_nixl(monkeypatch)
+    cfg = LynxConfig.from_extra_config({"staging_mb": 1, "timeout_s": 2, "mode": "anchor", "allowed_modes": ["anchor"]})
+    caches = {f"layer.{i}": torch.randn(NB, H, BS, 2 * D) for i in range(LAYERS)}
+
+    def started(role: str, max_model_len: int) -> tuple[worker_mod.LynxConnectorWorker, list[str]]:
+        vc = vcfg(role)
+        vc.model_config.max_model_len = max_model_len
+        w = worker_mod.LynxConnectorWorker(vc, f"e-{role}", cfg)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            w.register_kv_caches(caches)
+        return w, [r.getMessage() for r in caplog.records if "staging_mb=1 holds" in r.getMessage()]
+
+    probe, _ = started("kv_producer", 1)
+    try:
+        pool = probe.source.pool
+        n = 1  # the shortest prompt whose two planes do not fit 1 MiB while its anchor alone does
+        while pool.fits(*probe._plane_nbytes("anchor", n).nbytes):
+            n *= 2
+        assert pool.fits(*probe._plane_nbytes("anchor", n).without_residual().nbytes), n
+    finally:
+        probe.shutdown()
+    for role, warned in (("kv_consumer", False), ("kv_producer", True)):
+        w, said = started(role, n)
+        try:
+            assert bool(said) is warned, (role, said)
+        finally:
+            w.shutdown()

@@ -146,6 +146,27 @@ def test_kv_beyond_the_codecs_range_fails_that_request_only(engines, prompts):
     assert needle_found(prompts[1].answer, again[0]["text"]), again[0]["text"]
 
 
+def test_prefill_with_other_rope_is_refused_at_the_handshake(model, engines, prompts):
+    """A P started with ``--hf-overrides`` that change RoPE rotates K by other angles than D would: D's handshake
+    is refused on the compat field ``rope`` and the request fails at once with an error, instead of decoding on
+    K that D's queries do not match; D goes on serving its own P."""
+    from lynx_connector.lab.data import needle_found
+
+    p, d, _ = engines
+    other = EngineProcess(model, lynx_kv_config("full"), cpu="0",
+                          hf_overrides={"rope_parameters": {"rope_type": "default", "rope_theta": 20000.0}})
+    try:
+        pre = other.generate([prompts[0].token_ids], [{"do_remote_decode": True}], max_tokens=1)
+        t0 = time.monotonic()
+        out = d.generate([prompts[0].token_ids], [pre[0]["kv_transfer_params"]], max_tokens=MAX_TOKENS, timeout=120)
+        assert out[0]["finish_reason"] == "error" and out[0]["token_ids"] == [], out
+        assert time.monotonic() - t0 < 20, "refused at the handshake, before D's 20 s timeout_s"
+    finally:
+        other.close()
+    again, _ = run_pd(p, d, prompts[1:], "full")
+    assert needle_found(prompts[1].answer, again[0]["text"]), again[0]["text"]
+
+
 @pytest.mark.parametrize("policy", ["fail", pytest.param("recompute", marks=pytest.mark.extended)])
 def test_vanished_prefill_ends_in_the_failure_policy(model, prompts, policy):
     from lynx_connector.lab.data import needle_found

@@ -114,6 +114,16 @@ def test_compat_hash_and_diff() -> None:
     diff = proto.compat_diff(a, b)
     assert diff == ["dtype: ours=<missing> theirs='bf16'", "layers: ours=30 theirs=32"]
     assert proto.compat_hash(a) != proto.compat_hash(b)
+    # a later field a D of an earlier release lacks is skipped; one it sends is compared; P lacking one is a diff
+    later = {**a, "rope": "r1", "model_revision": "x"}
+    assert proto.compat_diff(later, a, optional=proto.LATER_COMPAT_FIELDS) == []
+    assert proto.compat_diff(later, {**a, "rope": "r2"}, optional=proto.LATER_COMPAT_FIELDS) == [
+        "rope: ours='r1' theirs='r2'"]
+    assert proto.compat_diff(a, later, optional=proto.LATER_COMPAT_FIELDS) == [
+        "model_revision: ours=<missing> theirs='x'", "rope: ours=<missing> theirs='r1'"]
+    assert proto.compat_diff(later, a) != []  # without the allowance, as a P of an earlier release compares
+    assert proto.compat_hash_for(later, a) == proto.compat_hash(a)
+    assert proto.compat_hash_for(later, later) == proto.compat_hash(later)
 
 
 def test_virtual_link_math() -> None:

@@ -131,6 +131,47 @@ def test_incompatible_handshake_names_fields(pair, fabric: FakeFabric) -> None:
         other.close()
 
 
+def _pull_once(src: TransferSource, fabric: FakeFabric, compat: dict, name: str) -> TransferEvent:
+    """A D of ``compat`` pulls a staged 4 KiB anchor from ``src``; its one event."""
+    other = TransferSink(TransportConfig(pool_bytes=1 << 16, timeout_s=2.0, key=TEST_KEY), compat,
+                         nixl=FakeNixlWrapper(fabric, name))
+    try:
+        stage(src, name, 4096, 0)
+        loc = other.pool.alloc_request("x", 4096, 0)
+        other.pull("x", *src.address, *src.ticket(name), loc.anchor, None)
+        (ev,) = collect(other, 1)
+        return ev
+    finally:
+        other.close()
+
+
+def test_later_compat_fields(fabric: FakeFabric, caplog: pytest.LogCaptureFixture) -> None:
+    """The model identity fields (proto.LATER_COMPAT_FIELDS) are compared when D sends them; a D of an earlier
+    release, which does not, still passes (P's HelloOk hash covers the fields it sent) and P says what it could not
+    compare; a P of an earlier release (no such fields) refuses a D that sends them, as it refuses any unknown field."""
+    ident = {"model_revision": "c0ffee", "rope": '{"rope_theta": 100000.0, "rope_type": "default"}'}
+    assert set(ident) == set(proto.LATER_COMPAT_FIELDS)
+    cfg = TransportConfig(pool_bytes=1 << 22, timeout_s=2.0, key=TEST_KEY)
+    src = TransferSource(cfg, {**COMPAT, **ident}, nixl=FakeNixlWrapper(fabric, "P"))
+    try:
+        assert _pull_once(src, fabric, {**COMPAT, **ident}, "same").ok
+        with caplog.at_level("WARNING"):
+            assert _pull_once(src, fabric, dict(COMPAT), "earlier").ok
+        assert "earlier release did not send model_revision, rope" in caplog.text
+        for field, value in (("model_revision", "beef"), ("rope", '{"factor": 2.0, "rope_type": "linear"}')):
+            ev = _pull_once(src, fabric, {**COMPAT, **ident, field: value}, f"other-{field}")
+            assert not ev.ok and "incompatible" in ev.error
+        assert src.stats()["auth_failed"] == 2 * (1 + AUTH_RETRIES)
+    finally:
+        src.close()
+    earlier_p = TransferSource(cfg, dict(COMPAT), nixl=FakeNixlWrapper(fabric, "P0"))
+    try:
+        ev = _pull_once(earlier_p, fabric, {**COMPAT, **ident}, "newer-d")
+        assert not ev.ok and "incompatible" in ev.error
+    finally:
+        earlier_p.close()
+
+
 def test_malformed_messages_rejected_listener_keeps_serving(pair) -> None:
     """Outside a session every malformed, oversized or unexpected message gets the same Error("refused");
     a v1 Hello gets "unsupported_version"; the listener keeps serving."""
