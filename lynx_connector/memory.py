@@ -17,9 +17,11 @@ When the command line and the environment choose nothing, ``lynx serve`` adds:
 machine's memory (CPU) or on this GPU. The lab's launcher (and so examples/1p1d/run_1p1d.sh) sets 2.
 
 A choice of the user is never overridden: ``--kv-cache-memory-bytes``, ``--gpu-memory-utilization`` (or its
-alias ``--device-memory-utilization``), either in a ``--config`` YAML file, or ``VLLM_CPU_KVCACHE_SPACE``
-(CPU backend) add nothing; the defaults go before the user's options, so a choice spelled otherwise (an
-abbreviation vLLM's parser accepts) comes last and wins.
+alias ``--device-memory-utilization``), on the command line or in a ``--config`` YAML file, each also spelled as an
+abbreviation vLLM's parser accepts (``--kv-cache-mem 4G``, ``gpu-memory-util: 0.5``), or ``VLLM_CPU_KVCACHE_SPACE``
+(CPU backend) add nothing. An abbreviation must be recognised, not merely come last: vLLM puts a ``--config``
+file's options right after the model, before the defaults, and ``--kv-cache-memory-bytes`` overrides a
+utilization whatever the order.
 """
 
 from __future__ import annotations
@@ -88,13 +90,20 @@ def _config_file_keys(argv: Sequence[str]) -> set[str]:
     return keys
 
 
+def _is_memory_option(name: str | None) -> bool:
+    """``name`` (without ``--``, ``_`` as ``-``) is one of :data:`USER_OPTIONS` or a prefix of one: argparse's
+    abbreviation of it (vLLM's parser allows them; a prefix that is ambiguous there is vLLM's error, and none of
+    these prefixes is another option's full name: tests/test_memory.py checks both against the installed vLLM)."""
+    return bool(name) and len(name) >= 2 and any(opt.startswith(name) for opt in USER_OPTIONS)
+
+
 def user_chose_memory(argv: Sequence[str], environ: Mapping[str, str], device: str) -> str | None:
     """What in ``argv``/``environ`` already sets the memory (for the log), or None."""
     for arg in argv:
         name = _option_name(arg)
-        if name in USER_OPTIONS:
-            return "--" + name
-    in_file = sorted(_config_file_keys(argv) & set(USER_OPTIONS))
+        if _is_memory_option(name):
+            return "--" + str(name)
+    in_file = sorted(k for k in _config_file_keys(argv) if _is_memory_option(k))
     if in_file:
         return f"{in_file[0]} in --config"
     if device == "cpu" and environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip():
@@ -161,8 +170,8 @@ def current_device() -> str:
 
 def with_memory_defaults(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:
     """``vllm serve`` arguments with the options of :func:`memory_args` inserted before the user's options (after
-    the model, when it comes first): argparse keeps the last value, so a choice spelled in a way not recognised
-    here (vLLM's parser accepts abbreviations such as ``--kv-cache-memory 1G``) still wins. (Nothing is logged
+    the model, when it comes first); nothing when the user chose (:func:`user_chose_memory`, abbreviations
+    included). (Nothing is logged
     here: vLLM configures logging only after parsing; its ``non-default args`` line shows what was added, e.g.
     ``'kv_cache_memory_bytes': 2147483648``.)"""
     env = os.environ if environ is None else environ

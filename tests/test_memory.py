@@ -79,18 +79,62 @@ def test_machine_memory_is_the_cgroup_limit_when_lower(tmp_path: Path) -> None:
     assert memory.machine_memory_bytes([str(v1)]) == total
 
 
-def test_an_abbreviated_choice_of_the_user_still_wins_in_vllms_parser(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM's parser accepts unambiguous abbreviations (``--kv-cache-memory 5G``): not recognised as the user's
-    choice here, the default is added, but before the user's options, so argparse keeps the user's value."""
+def test_an_abbreviated_choice_of_the_user_is_the_users_choice_in_vllms_parser(monkeypatch: pytest.MonkeyPatch,
+                                                                                 tmp_path: Path) -> None:
+    """vLLM's parser accepts unambiguous abbreviations, on the command line and as ``--config`` YAML keys: each is
+    the user's choice and nothing is added. Adding the default was wrong twice over: a YAML file's options go right
+    after the model, before the default, which then won (``kv-cache-memory: 3G`` ran with 2 GiB), and
+    ``--kv-cache-memory-bytes`` overrides a utilization whatever the order (``--gpu-memory-util 0.3`` was ignored
+    on the CPU backend)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    monkeypatch.setattr(memory, "current_device", lambda: "cpu")
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+
+    def yaml_file(text: str) -> str:
+        path = tmp_path / f"c{len(list(tmp_path.iterdir()))}.yaml"
+        path.write_text(text)
+        return str(path)
+
+    cases = [
+        (["MODEL", "--kv-cache-memory", "5G"], 5 << 30, None),
+        (["--kv-cache-mem=5G", "MODEL"], 5 << 30, None),
+        (["MODEL", "--config", yaml_file("kv-cache-memory: 3G\n")], 3 << 30, None),
+        (["MODEL", "--gpu-memory-util", "0.3"], None, 0.3),
+        (["MODEL", "--config", yaml_file("gpu_memory_util: 0.3\n")], None, 0.3),
+        (["MODEL", "--device-memory", "0.4"], None, 0.4),
+    ]
+    for user, kv_bytes, util in cases:
+        argv = memory.with_memory_defaults(user, {memory.SERVERS_ENV: "2"})
+        assert argv == user, argv  # nothing added
+        ns = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+        assert ns.kv_cache_memory_bytes == kv_bytes, (user, ns.kv_cache_memory_bytes)
+        if util is not None:
+            assert ns.gpu_memory_utilization == util, (user, ns.gpu_memory_utilization)
+    # other options are not mistaken for a choice (--kv-cache-dtype shares a prefix; "--" ends the options)
+    for other in (["MODEL", "--kv-cache-dtype", "auto"], ["MODEL", "--device-ids", "0"], ["MODEL", "--"]):
+        assert "--kv-cache-memory-bytes" in memory.with_memory_defaults(other, {})
+
+
+def test_every_abbreviation_recognised_is_the_memory_option_in_vllms_parser() -> None:
+    """The rule (a prefix of a memory option) against the installed vLLM's parser: no prefix of a memory option is
+    another option's full name (argparse would take that one), and each prefix vLLM resolves alone resolves to the
+    memory option."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser())
-    monkeypatch.setattr(memory, "current_device", lambda: "cpu")
-    for user in (["MODEL", "--kv-cache-memory", "5G"], ["--kv-cache-mem=5G", "MODEL"]):
-        argv = memory.with_memory_defaults(user, {memory.SERVERS_ENV: "2"})
-        assert "--kv-cache-memory-bytes" in argv  # added ...
-        assert parser.parse_args(argv).kv_cache_memory_bytes == 5 << 30  # ... and the user's value is used
+    names = {s[2:] for a in parser._actions for s in a.option_strings if s.startswith("--")}
+    assert set(memory.USER_OPTIONS) <= names
+    for opt in memory.USER_OPTIONS:
+        for n in range(2, len(opt)):
+            prefix = opt[:n]
+            assert memory._is_memory_option(prefix)
+            assert prefix not in names or prefix in memory.USER_OPTIONS, prefix
+            resolved = {name for name in names if name.startswith(prefix)}
+            if len(resolved) == 1:
+                assert resolved <= set(memory.USER_OPTIONS), (prefix, resolved)
 
 
 def test_a_gpu_share_below_one_percent_is_a_clear_error() -> None:
