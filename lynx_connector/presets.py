@@ -198,6 +198,27 @@ def speculative_engine_args(k: int = DEFAULT_MAX_SPECULATIVE_TOKENS) -> dict[str
     }
 
 
+def engine_args(kv_transfer_config: str | dict[str, Any] = PRESET_PREFIX) -> dict[str, Any]:
+    """The engine arguments of a Lynx instance for vLLM's offline API, what ``lynx serve`` makes of the same
+    ``--kv-transfer-config`` (presets are a feature of vLLM's command-line parser, which ``LLM(...)`` does not run)::
+
+        llm = LLM(model, **engine_args("lynx:speculative"))
+        llm = LLM(model, **engine_args({"kv_connector": "lynx", "kv_connector_extra_config": {"mode": "int8"}}))
+
+    ``kv_transfer_config``: a preset (``lynx``, ``lynx:<mode>``), or a config dict (or its JSON) whose
+    ``kv_connector`` names a preset (its other keys override the preset's) or ``LynxConnector``. Returns
+    ``kv_transfer_config`` (the full dict) and, when a mode it allows needs them, ``scheduler_cls`` and
+    ``speculative_config`` (:func:`speculative_defaults`). :class:`PresetError` for anything else."""
+    config = preset_request(kv_transfer_config) if isinstance(kv_transfer_config, str) else dict(kv_transfer_config)
+    expanded = expand_preset_dict(config)
+    if expanded is None:
+        if config.get("kv_connector") != CONNECTOR_NAME:
+            raise PresetError(f"kv_connector {config.get('kv_connector')!r} is neither {CONNECTOR_NAME!r} nor a "
+                              f"Lynx preset ({', '.join(preset_names())})")
+        expanded = {"kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_both", **copy.deepcopy(config)}
+    return {"kv_transfer_config": expanded, **(speculative_defaults(expanded) or {})}
+
+
 def speculative_serve_args(k: int = DEFAULT_MAX_SPECULATIVE_TOKENS) -> list[str]:
     """:func:`speculative_engine_args` as ``lynx serve`` / ``vllm serve`` flags."""
     args = speculative_engine_args(k)

@@ -4,6 +4,7 @@ scheduler class and a custom_class null proposer, unless the user gave their own
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -118,3 +119,45 @@ def test_scheduler_class_resolves(serve_parser: argparse.ArgumentParser) -> None
 
     ea = _engine_args(serve_parser, "--kv-transfer-config", "lynx:speculative")
     assert resolve_obj_by_qualname(ea.scheduler_cls) is LynxSpecScheduler
+
+
+@pytest.mark.parametrize("argv", [
+    ("--kv-transfer-config", "lynx:speculative"),
+    ("--kv-transfer-config", "lynx"),
+    ("--kv-transfer-config", '{"kv_connector": "lynx:auto", "kv_connector_extra_config": {"link_gbps": 10}}'),
+    ("--kv-transfer-config.kv_connector", "lynx:speculative",
+     "--kv-transfer-config.kv_connector_extra_config.max_speculative_tokens", "16"),
+])
+def test_offline_engine_args_equal_what_the_cli_makes_of_the_preset(serve_parser: argparse.ArgumentParser,
+                                                                    argv: tuple[str, ...]) -> None:
+    """``presets.engine_args`` (for ``LLM(model, **engine_args(...))``, where vLLM's parser and so the presets do
+    not run) gives the engine arguments ``vllm serve`` makes of the same preset: the expanded kv_transfer_config,
+    and the speculative scheduler and proposer where the mode needs them."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from lynx_connector.presets import engine_args
+
+    cli = _engine_args(serve_parser, *argv)
+    if argv[0] == "--kv-transfer-config":
+        value: Any = argv[1]
+    else:  # the dotted keys as the dict a Python caller writes
+        value = {"kv_connector": argv[1], "kv_connector_extra_config": {"max_speculative_tokens": 16}}
+    offline = engine_args(value)
+    kv = offline.pop("kv_transfer_config")
+    ea = AsyncEngineArgs(model=MODEL_DIR, kv_transfer_config=KVTransferConfig(**kv), **offline)  # as LLM converts it
+    ours, theirs = (dataclasses.asdict(c.kv_transfer_config) for c in (ea, cli))
+    assert ours.pop("engine_id") and theirs.pop("engine_id")  # a fresh uuid each
+    assert ours == theirs
+    assert (ea.scheduler_cls, ea.speculative_config) == (cli.scheduler_cls, cli.speculative_config)
+
+
+def test_offline_engine_args_of_a_connector_config_and_bad_values() -> None:
+    from lynx_connector.presets import PresetError, engine_args
+
+    plain = engine_args({"kv_connector": "LynxConnector", "kv_connector_extra_config": {"mode": "speculative"}})
+    assert plain["kv_transfer_config"]["kv_role"] == "kv_both" and plain["scheduler_cls"] == SPEC_SCHEDULER
+    assert set(engine_args("lynx:int8")) == {"kv_transfer_config"}
+    for bad in ("NixlConnector", {"kv_connector": "NixlConnector"}, "lynx:int3"):
+        with pytest.raises(PresetError):
+            engine_args(bad)
