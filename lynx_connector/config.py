@@ -362,7 +362,8 @@ class LynxConfig:
             kw["fault_injection"] = str(extra["fault_injection"])
         return cls(**kw)
 
-    def transport_config(self, tp_rank: int, key: bytes | None, endpoint: str) -> TransportConfig:
+    def transport_config(self, tp_rank: int, key: bytes | None, endpoint: str,
+                         extra_keys: tuple[bytes, ...] = ()) -> TransportConfig:
         """The transport settings of one endpoint (``endpoint``: its name, for the status file) of the worker of
         tensor-parallel rank ``tp_rank``; a fixed side-channel port is offset by the rank."""
         from lynx_connector.transport.config import TransportConfig  # the transport package loads torch, zmq
@@ -381,7 +382,7 @@ class LynxConfig:
             link_gbps=self.link_gbps, chunk_bytes=self.chunk_bytes, window_bytes=self.window_bytes,
             lease_s=self.effective_lease_s, timeout_s=self.timeout_s, host=self.side_channel_host,
             port=self.side_channel_port + tp_rank if self.side_channel_port else 0,
-            pool_bytes=self.staging_mb << 20, key=key, status_path=status, order=self.transfer_order,
+            pool_bytes=self.staging_mb << 20, key=key, extra_keys=extra_keys, status_path=status, order=self.transfer_order,
             max_wait_s=self.max_stream_wait_s)
 
     @property

@@ -55,7 +55,7 @@ from lynx_connector.signing import (
 from lynx_connector.spec_book import SpecBook
 from lynx_connector.stats import LynxStats
 from lynx_connector.testing import fault_hooks
-from lynx_connector.transport.keys import load_side_channel_key
+from lynx_connector.transport.keys import load_extra_keys, load_side_channel_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -107,7 +107,8 @@ class LynxConnectorScheduler(ServedMode):
         # verifies. The deployment key is read here once for this process (the workers read it for the
         # transport); a missing or bad key fails start-up like the workers' (insecure: the empty key signs).
         self._signer = ParamsSigner(load_side_channel_key(insecure=config.insecure_side_channel),
-                                    config.signed_params_ttl_s)
+                                    config.signed_params_ttl_s,
+                                    extra_keys=load_extra_keys(insecure=config.insecure_side_channel))
         self._refusal_log = RefusalLog()
         # D: params verified by get_num_new_matched_tokens, used by update_state_after_alloc.
         self._verified: dict[str, RemotePrefill] = {}

@@ -113,15 +113,17 @@ class ParamsSigner:
     """Signs (P) and verifies (D) remote-prefill params with the deployment key (``None``: insecure, the empty
     key). ``ttl_s``: how long signed params stay valid; ``clock``: wall-clock seconds (P and D compare times)."""
 
-    def __init__(self, key: bytes | None, ttl_s: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, key: bytes | None, ttl_s: float, clock: Callable[[], float] = time.time,
+                 extra_keys: tuple[bytes, ...] = ()) -> None:
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
         self._key = key if key is not None else b""
+        self._extra_keys = extra_keys  # a key rotation's other key: accepted, never signed with
         self.ttl_s = float(ttl_s)
         self._clock = clock
 
-    def _mac(self, params: Mapping[str, Any]) -> str:
-        return hmac.new(self._key, _DOMAIN + canonical(params), hashlib.sha256).hexdigest()
+    def _mac(self, params: Mapping[str, Any], key: bytes | None = None) -> str:
+        return hmac.new(self._key if key is None else key, _DOMAIN + canonical(params), hashlib.sha256).hexdigest()
 
     def sign(self, params: dict[str, Any]) -> dict[str, Any]:
         """``params`` with ``lynx_expires`` (integer seconds since the epoch) and ``lynx_sig`` added."""
@@ -139,7 +141,7 @@ class ParamsSigner:
                                             "this deployment can produce them")
         if not isinstance(sig, str) or len(sig) != 64 or not sig.isascii() or sig.strip(HEX_DIGITS):
             raise ParamsRefused("bad_signature", "lynx_sig is not a 64-character hex string")
-        if not hmac.compare_digest(self._mac(params), sig):
+        if not any([hmac.compare_digest(self._mac(params, key), sig) for key in (self._key, *self._extra_keys)]):
             raise ParamsRefused("bad_signature", "lynx_sig does not verify: the params were changed or signed "
                                                  "with another deployment key")
         expires = params.get(EXPIRES_KEY)

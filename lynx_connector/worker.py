@@ -51,6 +51,7 @@ from lynx_connector.transport import (
     StagingFullError,
     TransferSink,
     TransferSource,
+    load_extra_keys,
     load_side_channel_key,
 )
 from lynx_connector.transport.pool import ALIGN as STAGING_ALIGN
@@ -99,6 +100,7 @@ class LynxConnectorWorker(ReceiveHalf):
         self._layer_index: dict[str, int] = {}
         # The side channel's deployment key, read once at start-up (a missing or bad key fails start-up here)
         self._key = load_side_channel_key(insecure=config.insecure_side_channel)
+        self._extra_keys = load_extra_keys(insecure=config.insecure_side_channel)  # D accepts them from P
 
     # ---- start-up -------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -141,8 +143,8 @@ class LynxConnectorWorker(ReceiveHalf):
             self.saves = SaveQueue(self.source, self._encode_request, wait_s=self.config.timeout_s / 2,
                                    on_reject=self.stats.record_failure)
         if self.is_consumer:
-            self.sink = TransferSink(self.config.transport_config(self.tp_rank, self._key, name + "-dst"), compat,
-                                     name=name + "-dst", status_extra=self._status_counters)
+            dst = self.config.transport_config(self.tp_rank, self._key, name + "-dst", self._extra_keys)
+            self.sink = TransferSink(dst, compat, name=name + "-dst", status_extra=self._status_counters)
         self._warm_up()
         self._check_staging_reach()
         logger.info("LynxConnector worker ready: %d layers, layout %s, mode %s, role %s, side channel %s "

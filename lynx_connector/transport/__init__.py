@@ -31,7 +31,7 @@ Settings chosen on the 2-core CPU box (NIXL 1.5.1 / UCX 1.23, measured; see ``ly
 
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.events import ANCHOR, RESIDUAL, TransferEvent
-from lynx_connector.transport.keys import SideChannelKeyError, load_side_channel_key
+from lynx_connector.transport.keys import SideChannelKeyError, load_extra_keys, load_side_channel_key
 from lynx_connector.transport.nixl_wrapper import NixlUnavailableError, NixlWrapper, nixl_available
 from lynx_connector.transport.pool import StagedRequest, StagingFullError, StagingPool
 from lynx_connector.transport.protocol import ProtocolError, compat_hash
@@ -53,6 +53,7 @@ __all__ = [
     "TransferSource",
     "TransportConfig",
     "compat_hash",
+    "load_extra_keys",
     "load_side_channel_key",
     "nixl_available",
 ]

@@ -85,6 +85,8 @@ class TransportConfig:
         messages are small; D accepts at least a HelloOk with P's NIXL metadata, ``protocol.MAX_MD``).
     key: the deployment key (>= 32 bytes, `lynx_connector.transport.keys.load_side_channel_key`) that
         authenticates the side channel; None = insecure (local tests only; both ends must agree).
+    extra_keys: keys D also accepts from a P in the handshake, never used to prove itself (a key rotation:
+        `lynx_connector.transport.keys.load_extra_keys`).
     rcvhwm: zmq receive high-water mark of P's side channel (messages queued before zmq drops).
     resend_s: D sends a Hello or Query again when it got no answer this long (both are idempotent; zmq drops
         messages when a connection is reset or a queue is full, and nothing else would ever ask again).
@@ -130,6 +132,7 @@ class TransportConfig:
     status_path: str | None = None
     pipeline_poll_s: float = 0.01
     key: bytes | None = field(default=None, repr=False)
+    extra_keys: tuple[bytes, ...] = field(default=(), repr=False)
     rcvhwm: int = 1000
 
     def __post_init__(self) -> None:
@@ -169,6 +172,9 @@ class TransportConfig:
             raise ValueError(f"TransportConfig.backend must be a non-empty string, got {self.backend!r}")
         if self.key is not None and (not isinstance(self.key, bytes) or len(self.key) < 32):
             raise ValueError("TransportConfig.key must be None (insecure) or bytes of length >= 32")
+        if not isinstance(self.extra_keys, tuple) or not all(isinstance(k, bytes) and len(k) >= 32
+                                                             for k in self.extra_keys):
+            raise ValueError("TransportConfig.extra_keys must be a tuple of bytes of length >= 32 each")
         if not isinstance(self.progress_thread, bool):
             raise ValueError(f"TransportConfig.progress_thread must be a bool, got {self.progress_thread!r}")
         if not isinstance(self.backend_params, dict) or not all(

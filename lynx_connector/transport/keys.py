@@ -5,6 +5,11 @@ text: whitespace and a leading ``0x`` ignored), ``LYNX_SIDE_CHANNEL_KEY`` holds 
 least 32 bytes. The file wins when both are set. Without a usable key start-up fails with `SideChannelKeyError`,
 naming both variables; the only way to run without one is ``insecure_side_channel: true`` in
 ``kv_connector_extra_config`` (local tests), logged as a warning.
+
+Key rotation (docs/OPERATIONS.md, "Rotating the deployment key"): ``LYNX_SIDE_CHANNEL_EXTRA_KEY_FILE`` /
+``LYNX_SIDE_CHANNEL_EXTRA_KEY`` (read the same way) name one more key that this instance accepts: D accepts a P
+that proves it in the handshake (and answers that P in it for that session), and whoever verifies signed
+``kv_transfer_params`` accepts its signature. P proves, and every instance signs, with the deployment key only.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ from lynx_connector.logger import init_logger
 
 logger = init_logger(__name__)
 
-__all__ = ["KEY_ENV", "KEY_FILE_ENV", "MIN_KEY_BYTES", "SideChannelKeyError", "load_side_channel_key",
-           "parse_key_text"]
+__all__ = ["EXTRA_KEY_ENV", "EXTRA_KEY_FILE_ENV", "KEY_ENV", "KEY_FILE_ENV", "MIN_KEY_BYTES", "SideChannelKeyError",
+           "load_extra_keys", "load_side_channel_key", "parse_key_text"]
 
 KEY_ENV = "LYNX_SIDE_CHANNEL_KEY"
 KEY_FILE_ENV = "LYNX_SIDE_CHANNEL_KEY_FILE"
+EXTRA_KEY_ENV = "LYNX_SIDE_CHANNEL_EXTRA_KEY"
+EXTRA_KEY_FILE_ENV = "LYNX_SIDE_CHANNEL_EXTRA_KEY_FILE"
 MIN_KEY_BYTES = 32
 _HOW = (f"set {KEY_FILE_ENV} to a file holding the deployment key (e.g. a mounted k8s Secret) or {KEY_ENV} to "
         f"the key as hex, >= {MIN_KEY_BYTES} random bytes (e.g. `openssl rand -hex 32`), the same on every prefill "
@@ -69,23 +76,46 @@ def load_side_channel_key(insecure: bool = False, environ: Mapping[str, str] | N
                        "any process that reaches its port can read every request's staged KV. Local tests "
                        "only: never run like this on a shared network")
         return None
-    path = env.get(KEY_FILE_ENV, "").strip()
+    key = _read_key(env, KEY_FILE_ENV, KEY_ENV)
+    if key is None:
+        raise SideChannelKeyError(f"no side-channel key: neither {KEY_FILE_ENV} nor {KEY_ENV} is set; {_HOW}")
+    return key
+
+
+def load_extra_keys(insecure: bool = False, environ: Mapping[str, str] | None = None) -> tuple[bytes, ...]:
+    """The key a rotation has this instance accept besides its own (``LYNX_SIDE_CHANNEL_EXTRA_KEY(_FILE)``, module
+    docstring): ``()`` when neither is set, or in insecure mode. Raises `SideChannelKeyError` for an unusable one."""
+    env = os.environ if environ is None else environ
+    if insecure:
+        return ()
+    key = _read_key(env, EXTRA_KEY_FILE_ENV, EXTRA_KEY_ENV)
+    if key is None:
+        return ()
+    logger.info("LynxConnector: also accepting the side-channel key of %s (a key rotation: accepted from peers, "
+                "never used to sign)", EXTRA_KEY_FILE_ENV if env.get(EXTRA_KEY_FILE_ENV, "").strip()
+                else EXTRA_KEY_ENV)
+    return (key,)
+
+
+def _read_key(env: Mapping[str, str], file_var: str, hex_var: str) -> bytes | None:
+    """The key of ``file_var`` (a file's path) or else ``hex_var`` (hex); None when neither is set."""
+    path = env.get(file_var, "").strip()
     if path:
         try:
             with open(path, "rb") as fh:
                 data = fh.read(1 << 16)
         except OSError as exc:
-            raise SideChannelKeyError(f"{KEY_FILE_ENV}={path!r} cannot be read ({exc.strerror}); {_HOW}") from None
-        return parse_key_text(data, f"{KEY_FILE_ENV}={path!r}")
-    text = env.get(KEY_ENV, "").strip()
+            raise SideChannelKeyError(f"{file_var}={path!r} cannot be read ({exc.strerror}); {_HOW}") from None
+        return parse_key_text(data, f"{file_var}={path!r}")
+    text = env.get(hex_var, "").strip()
     if not text:
-        raise SideChannelKeyError(f"no side-channel key: neither {KEY_FILE_ENV} nor {KEY_ENV} is set; {_HOW}")
+        return None
     try:
         key = _hex_key(text)
     except ValueError:
         key = None
     if key is None:
-        raise SideChannelKeyError(f"{KEY_ENV} is not valid hex; {_HOW}")
+        raise SideChannelKeyError(f"{hex_var} is not valid hex; {_HOW}")
     if len(key) < MIN_KEY_BYTES:
-        raise SideChannelKeyError(f"{KEY_ENV} has {len(key)} bytes, at least {MIN_KEY_BYTES} are required; {_HOW}")
+        raise SideChannelKeyError(f"{hex_var} has {len(key)} bytes, at least {MIN_KEY_BYTES} are required; {_HOW}")
     return key

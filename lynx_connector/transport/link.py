@@ -66,10 +66,12 @@ MAX_FRAMES_PER_DRAIN = 256
 
 class PeerLink:
     def __init__(self, ctx: zmq.Context, poller: zmq.Poller, addr: Addr, max_message_bytes: int,
-                 key: bytes | None = None) -> None:
+                 key: bytes | None = None, extra_keys: tuple[bytes, ...] = ()) -> None:
         self.addr = addr
         self._ctx, self._poller, self._max_bytes = ctx, poller, max_message_bytes
-        self._key = key if key is not None else b""  # insecure: an empty key, same protocol
+        # insecure: an empty key, same protocol; a rotation's extra key is accepted from P, then spoken with it
+        self._keys = (key if key is not None else b"", *extra_keys)
+        self._key = self._keys[0]
         self.state = "hello"  # hello (Hello sent) -> auth (Auth sent) -> ready; failed once dropped
         self.nonce_d = secrets.token_bytes(16)  # one per connection: a re-sent Hello is the same Hello
         self.skey = b""
@@ -180,8 +182,13 @@ class PeerLink:
         self._send_frame(proto.encode(proto.Hello(v=proto.VERSION, nonce_d=self.nonce_d, compat_hash=compat_hash)))
 
     def on_challenge(self, msg: proto.Challenge) -> bool:
-        """Check P's proof of the key; on success derive the session key. False: P does not hold our key."""
-        if not hmac.compare_digest(msg.proof_p, proto.proof_p(self._key, self.nonce_d, msg.nonce_p)):
+        """Check P's proof of a key we accept (ours, or a rotation's extra key); on success derive the session key
+        from that key. False: P holds none of them."""
+        for key in self._keys:
+            if hmac.compare_digest(msg.proof_p, proto.proof_p(key, self.nonce_d, msg.nonce_p)):
+                self._key = key
+                break
+        else:
             return False
         self.skey = proto.session_key(self._key, self.nonce_d, msg.nonce_p)
         self.opener = proto.Opener(self.skey, proto.P_TO_D)

@@ -359,7 +359,7 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         """A new link to ``addr``; None (logged) for an address zmq refuses to connect to (``check_peer_addr``
         refuses those it knows of before a pull or a discard is queued)."""
         try:
-            peer = PeerLink(self._ctx, self._poller, addr, self._max_in, self.config.key)
+            peer = PeerLink(self._ctx, self._poller, addr, self._max_in, self.config.key, self.config.extra_keys)
         except zmq.ZMQError as exc:
             logger.error("lynx sink: cannot connect to peer %s:%s: %s", addr[0], addr[1], exc)
             self._courier.forget(addr)

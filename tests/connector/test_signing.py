@@ -106,6 +106,22 @@ def test_wrong_key_missing_or_garbled_signature_and_insecure_mode():
     assert refused(insecure, signer.sign(p_params())) == "bad_signature"
 
 
+def test_key_rotation_accepts_the_extra_key_and_signs_with_its_own():
+    """During a key rotation an instance verifies params signed with its deployment key or its extra key (its
+    peers may already sign with the new one, or still with the old), and signs with its deployment key only."""
+    clock = Clock()
+    new = secrets.token_bytes(32)
+    rotating = ParamsSigner(new, 120, clock, extra_keys=(KEY,))
+    rotating.verify(ParamsSigner(KEY, 120, clock).sign(p_params()))
+    rotating.verify(ParamsSigner(new, 120, clock).sign(p_params()))
+    assert refused(rotating, ParamsSigner(secrets.token_bytes(32), 120, clock).sign(p_params())) == "bad_signature"
+    signed = rotating.sign(p_params())
+    ParamsSigner(new, 120, clock).verify(signed)
+    assert refused(ParamsSigner(KEY, 120, clock), signed) == "bad_signature"  # not signed with the extra key
+    tampered = {**ParamsSigner(KEY, 120, clock).sign(p_params()), "remote_host": "10.9.9.9"}
+    assert refused(rotating, tampered) == "bad_signature"
+
+
 def test_expiry():
     clock = Clock()
     signer = ParamsSigner(KEY, 30, clock)

@@ -167,6 +167,29 @@ def test_prefill_with_other_rope_is_refused_at_the_handshake(model, engines, pro
     assert needle_found(prompts[1].answer, again[0]["text"]), again[0]["text"]
 
 
+def test_a_decode_instance_midway_through_a_key_rotation_serves_the_old_key_prefill(model, engines, prompts):
+    """Key rotation (docs/OPERATIONS.md, "Rotating the deployment key"), the state in the middle of its second
+    step: D already has the new deployment key and keeps the old one as its extra key
+    (``LYNX_SIDE_CHANNEL_EXTRA_KEY``); P still has only the old one. D verifies P's params (signed with the old key),
+    P proves the old key in the handshake, D answers in it, and the request is served from P's KV."""
+    import secrets
+
+    from lynx_connector.lab.data import needle_found
+    from lynx_connector.lab.engine import ENGINE_ENV
+
+    p, _, _ = engines
+    old_key = ENGINE_ENV["LYNX_SIDE_CHANNEL_KEY"]
+    d = EngineProcess(model, lynx_kv_config("full"), cpu="1",
+                      env={"LYNX_SIDE_CHANNEL_KEY": secrets.token_hex(32), "LYNX_SIDE_CHANNEL_EXTRA_KEY": old_key})
+    try:
+        out, _ = run_pd(p, d, prompts[:1], "full")
+        assert out[0]["finish_reason"] != "error", out[0]
+        assert needle_found(prompts[0].answer, out[0]["text"]), out[0]["text"]
+        assert not (out[0]["kv_transfer_params"] or {}).get("lynx_error"), out[0]  # params verified: P's KV used
+    finally:
+        d.close()
+
+
 @pytest.mark.parametrize("policy", ["fail", pytest.param("recompute", marks=pytest.mark.extended)])
 def test_vanished_prefill_ends_in_the_failure_policy(model, prompts, policy):
     from lynx_connector.lab.data import needle_found

@@ -16,7 +16,15 @@ import zmq
 from lynx_connector.config import LynxConfig
 from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.config import TransportConfig
-from lynx_connector.transport.keys import KEY_ENV, KEY_FILE_ENV, SideChannelKeyError, load_side_channel_key
+from lynx_connector.transport.keys import (
+    EXTRA_KEY_ENV,
+    EXTRA_KEY_FILE_ENV,
+    KEY_ENV,
+    KEY_FILE_ENV,
+    SideChannelKeyError,
+    load_extra_keys,
+    load_side_channel_key,
+)
 from lynx_connector.transport.sink import TransferSink
 from lynx_connector.transport.source import TransferSource
 
@@ -499,3 +507,49 @@ def test_pending_handshakes_drop_the_oldest_of_the_host_then_of_all(monkeypatch)
     assert len(table) == 0 and table._by_host == {}
     add(b"x", "A")
     assert table.pop(b"x") is not None and table.pop(b"x") is None and table._by_host == {}
+
+
+def test_key_rotation_d_accepts_a_p_proving_its_extra_key(fabric: FakeFabric, sinks) -> None:
+    """Rotating the deployment key (docs/OPERATIONS.md): a D that also accepts the other key (extra_keys) pulls
+    from a P that proves either, speaking with each P the key that P proved, at the same time; a D without it is
+    refused by the P of the other key."""
+    old_p = TransferSource(TransportConfig(**CFG, key=TEST_KEY), COMPAT, nixl=FakeNixlWrapper(fabric, "Pold"))
+    new_p = TransferSource(TransportConfig(**CFG, key=OTHER_KEY), COMPAT, nixl=FakeNixlWrapper(fabric, "Pnew"))
+    try:
+        rotating = sinks(OTHER_KEY, extra_keys=(TEST_KEY,))
+        for i, p in enumerate((old_p, new_p, old_p)):  # both at once, and back: each peer keeps its own key
+            st = stage(p, f"r{i}", 4096, 4096)
+            loc = rotating.pool.alloc_request(f"d{i}", 4096, 4096)
+            rotating.pull(f"d{i}", *p.address, *p.ticket(f"r{i}"), loc.anchor, loc.residual)
+            evs = collect(rotating, 2)
+            assert all(e.ok for e in evs), evs
+            assert torch.equal(loc.anchor, st.anchor) and torch.equal(loc.residual, st.residual)
+            rotating.pool.free_request(f"d{i}")
+        assert rotating.stats()["peers"] == 2
+        for d_key, p in ((OTHER_KEY, old_p), (TEST_KEY, new_p)):  # D without the extra key: refused as before
+            plain = sinks(d_key)
+            stage(p, f"x{id(plain)}", 4096, 0)
+            loc = plain.pool.alloc_request("x", 4096, 0)
+            plain.pull("x", *p.address, *p.ticket(f"x{id(plain)}"), loc.anchor, None)
+            (ev,) = collect(plain, 1)
+            assert not ev.ok and "LYNX_SIDE_CHANNEL_KEY" in ev.error
+    finally:
+        old_p.close()
+        new_p.close()
+    with pytest.raises(ValueError, match="extra_keys"):
+        TransportConfig(key=TEST_KEY, extra_keys=(b"short",))
+
+
+def test_extra_key_is_read_like_the_key_and_off_in_insecure_mode(tmp_path) -> None:
+    assert load_extra_keys(environ={}) == ()
+    assert load_extra_keys(environ={EXTRA_KEY_ENV: "ab" * 32}) == (bytes.fromhex("ab" * 32),)
+    (tmp_path / "next").write_text("0x" + "cd" * 32 + "\n")
+    env = {EXTRA_KEY_FILE_ENV: str(tmp_path / "next"), EXTRA_KEY_ENV: "ab" * 32}  # the file wins
+    assert load_extra_keys(environ=env) == (bytes.fromhex("cd" * 32),)
+    assert load_extra_keys(insecure=True, environ=env) == ()
+    for bad in ({EXTRA_KEY_ENV: "ab" * 31}, {EXTRA_KEY_ENV: "zz" * 32}, {EXTRA_KEY_FILE_ENV: str(tmp_path / "nope")}):
+        with pytest.raises(SideChannelKeyError, match="LYNX_SIDE_CHANNEL_EXTRA_KEY"):
+            load_extra_keys(environ=bad)
+    # the deployment key is still required: an extra key alone is no key
+    with pytest.raises(SideChannelKeyError, match="no side-channel key"):
+        load_side_channel_key(environ={EXTRA_KEY_ENV: "ab" * 32})
