@@ -75,6 +75,9 @@ def test_lynx_wiring(path: Path) -> None:
         vol = next(v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "side-channel-key")
         assert vol["secret"]["secretName"] == "lynx-side-channel-key" and key_file.endswith("/key")
         assert "LYNX_SIDE_CHANNEL_KEY" not in names and "insecure_side_channel" not in json.dumps(c["args"])
+        # a key rotation's extra key: an optional key of the same Secret, unset outside a rotation
+        extra_ref = next(e["valueFrom"]["secretKeyRef"] for e in c["env"] if e["name"] == "LYNX_SIDE_CHANNEL_EXTRA_KEY")
+        assert extra_ref == {"name": "lynx-side-channel-key", "key": "extra", "optional": True}
         assert c["envFrom"][0]["configMapRef"]["name"] == "lynx-config"
         args = [_expand(a, env) for a in c["args"]]
         assert args[:2] == ["serve", cm["MODEL"]]
@@ -108,6 +111,7 @@ def test_lynx_wiring(path: Path) -> None:
         assert key_file.startswith(mount["mountPath"] + "/") and mount["readOnly"] is True
         vols = by_kind(path, "Deployment")[name]["spec"]["template"]["spec"]["volumes"]
         assert next(v for v in vols if v["name"] == "side-channel-key")["secret"]["secretName"] == "lynx-side-channel-key"
+        assert any(e["name"] == "LYNX_SIDE_CHANNEL_EXTRA_KEY" for e in front["env"])  # read like P and D do
     if path.name == "xpyd.yaml":
         assert sets["lynx-prefill"]["spec"]["replicas"] > 1 and sets["lynx-decode"]["spec"]["replicas"] > 1
 
