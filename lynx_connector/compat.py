@@ -60,14 +60,28 @@ def staged_dtype(name: str) -> torch.dtype | None:
 
 
 def model_identity(model_config: Any) -> dict[str, str]:
-    """The later compat fields of a vLLM ``ModelConfig`` (module docstring): ``model_revision`` (``""`` for a
-    local path) and ``rope``, the canonical JSON of the text config's RoPE parameters (``""`` when it has none)."""
+    """The later compat fields of a vLLM ``ModelConfig`` (module docstring): ``model_revision``, the commit vLLM
+    resolved the revision to (``""`` for a local path), and ``rope``, the canonical JSON of the text config's RoPE
+    parameters, numbers as floats (``""`` when it has none)."""
     hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
     rope = getattr(hf, "rope_parameters", None)
     if rope is None and hf is not None:  # transformers before rope_parameters spelled them apart
         rope = {k: v for k in ("rope_theta", "rope_scaling") if (v := getattr(hf, k, None)) is not None} or None
-    return {"model_revision": str(getattr(model_config, "revision", None) or ""),
-            "rope": json.dumps(rope, sort_keys=True, default=str) if rope else ""}
+    revision = getattr(model_config, "revision", None)
+    # vLLM stores huggingface_hub's ResolvedRevision: a str of the revision asked for ("main"), the commit in
+    # .resolved; a revision vLLM could not resolve (the hub unreachable) stays what was asked
+    revision = getattr(revision, "resolved", None) or revision
+    return {"model_revision": str(revision or ""),
+            "rope": json.dumps(_numbers_as_floats(rope), sort_keys=True, default=str) if rope else ""}
+
+
+def _numbers_as_floats(value: Any) -> Any:
+    """``10000`` and ``10000.0`` are the same RoPE parameter (a config or an override may write either)."""
+    if isinstance(value, dict):
+        return {k: _numbers_as_floats(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_numbers_as_floats(v) for v in value]
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 def kv_compat(*, model: str, layer_names: list[str], layout: KVLayout, codec_options: Mapping[str, Any],

@@ -54,3 +54,35 @@ def test_kv_compat_carries_the_identity() -> None:
     without = kv_compat(model="m", layer_names=["l0"], layout=layout, codec_options={}, tp_rank=0, tp_size=1)
     assert {k: with_ident[k] for k in ident} == ident and not set(ident) & set(without)
     assert proto.compat_diff(with_ident, without, optional=proto.LATER_COMPAT_FIELDS) == []
+
+
+def test_the_revision_is_the_commit_vllm_resolved() -> None:
+    """vLLM keeps huggingface_hub's ``ResolvedRevision`` in ``ModelConfig.revision``: its string is what was asked
+    ("main"), the commit is ``.resolved``. P and D that resolved "main" to different commits hold different weights
+    and must differ; the same commit asked as "main" on one side and pinned on the other is the same model."""
+    from types import SimpleNamespace
+
+    from huggingface_hub._revision import ResolvedRevision
+
+    rope = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+    def revision_of(rev: object) -> str:
+        return model_identity(SimpleNamespace(revision=rev, hf_text_config=rope))["model_revision"]
+
+    a, b = "607a30d783dfa663caf39e06633721c8d4cfcd7e", "1" * 40
+    assert revision_of(ResolvedRevision(a, None, "org/m")) != revision_of(ResolvedRevision(b, None, "org/m"))
+    assert revision_of(ResolvedRevision(a, None, "org/m")) == revision_of(ResolvedRevision(a, a, "org/m")) == a
+    assert revision_of("main") == "main" and revision_of(None) == ""  # unresolved (hub unreachable); a local path
+
+
+def test_rope_numbers_compare_as_values() -> None:
+    from types import SimpleNamespace
+
+    def rope_of(params: dict) -> str:
+        return model_identity(SimpleNamespace(revision=None, hf_text_config=SimpleNamespace(rope_parameters=params)))[
+            "rope"]
+
+    assert rope_of({"rope_type": "default", "rope_theta": 10000}) == rope_of({"rope_theta": 10000.0,
+                                                                             "rope_type": "default"})
+    assert rope_of({"rope_type": "yarn", "factor": 4, "beta_fast": 32}) != rope_of({"rope_type": "yarn", "factor": 2,
+                                                                                    "beta_fast": 32})
