@@ -185,16 +185,15 @@ def _signer(config: ProxyConfig) -> Any | None:
     if config.flow != "pipelined":
         return None
     from lynx_connector.signing import ParamsSigner
-    from lynx_connector.transport.keys import SideChannelKeyError, load_extra_keys, load_side_channel_key
+    from lynx_connector.transport.keys import SideChannelKeyError, load_side_channel_key
 
-    try:
+    try:  # the proxy only signs (with this key): a rotation's extra key is for P and D, which verify
         key = load_side_channel_key(insecure=config.insecure_side_channel)
-        extra = load_extra_keys(insecure=config.insecure_side_channel)
     except SideChannelKeyError as exc:
         logger.warning("Lynx proxy: no side-channel key, so the pipelined flow is off and every request goes "
                        "the sequential way (%s)", exc)
         return None
-    return ParamsSigner(key, config.params_ttl_s, extra_keys=extra)
+    return ParamsSigner(key, config.params_ttl_s)
 
 
 async def _serve(state: _State, call: Call, request: web.Request, body: dict[str, Any],

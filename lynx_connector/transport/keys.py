@@ -36,6 +36,11 @@ _HOW = (f"set {KEY_FILE_ENV} to a file holding the deployment key (e.g. a mounte
         "kv_connector_extra_config")
 
 
+_HOW_EXTRA = (f"{EXTRA_KEY_FILE_ENV} / {EXTRA_KEY_ENV} name the other key of a key rotation (>= {MIN_KEY_BYTES} bytes, "
+              "read like the deployment key); unset both outside a rotation (docs/OPERATIONS.md, \"Rotating the "
+              "deployment key\")")
+
+
 class SideChannelKeyError(ValueError):
     """The side-channel key is missing or unusable; the message says how to provide one."""
 
@@ -53,18 +58,18 @@ def _hex_key(text: str) -> bytes | None:
     return bytes.fromhex(digits)
 
 
-def parse_key_text(data: bytes, origin: str) -> bytes:
+def parse_key_text(data: bytes, origin: str, how: str = _HOW) -> bytes:
     """A key file's content: hex text (read as ``LYNX_SIDE_CHANNEL_KEY`` is, see `_hex_key`) or raw bytes."""
     try:
         key = _hex_key(data.decode("ascii"))
     except UnicodeDecodeError:
         key = None
     except ValueError:
-        raise SideChannelKeyError(f"{origin}: hex key has an odd number of digits; {_HOW}") from None
+        raise SideChannelKeyError(f"{origin}: hex key has an odd number of digits; {how}") from None
     if key is None:
         key = bytes(data)
     if len(key) < MIN_KEY_BYTES:
-        raise SideChannelKeyError(f"{origin}: key has {len(key)} bytes, at least {MIN_KEY_BYTES} are required; {_HOW}")
+        raise SideChannelKeyError(f"{origin}: key has {len(key)} bytes, at least {MIN_KEY_BYTES} are required; {how}")
     return key
 
 
@@ -76,7 +81,7 @@ def load_side_channel_key(insecure: bool = False, environ: Mapping[str, str] | N
                        "any process that reaches its port can read every request's staged KV. Local tests "
                        "only: never run like this on a shared network")
         return None
-    key = _read_key(env, KEY_FILE_ENV, KEY_ENV)
+    key = _read_key(env, KEY_FILE_ENV, KEY_ENV, _HOW)
     if key is None:
         raise SideChannelKeyError(f"no side-channel key: neither {KEY_FILE_ENV} nor {KEY_ENV} is set; {_HOW}")
     return key
@@ -88,7 +93,7 @@ def load_extra_keys(insecure: bool = False, environ: Mapping[str, str] | None = 
     env = os.environ if environ is None else environ
     if insecure:
         return ()
-    key = _read_key(env, EXTRA_KEY_FILE_ENV, EXTRA_KEY_ENV)
+    key = _read_key(env, EXTRA_KEY_FILE_ENV, EXTRA_KEY_ENV, _HOW_EXTRA)
     if key is None:
         return ()
     logger.info("LynxConnector: also accepting the side-channel key of %s (a key rotation: accepted from peers, "
@@ -97,7 +102,7 @@ def load_extra_keys(insecure: bool = False, environ: Mapping[str, str] | None = 
     return (key,)
 
 
-def _read_key(env: Mapping[str, str], file_var: str, hex_var: str) -> bytes | None:
+def _read_key(env: Mapping[str, str], file_var: str, hex_var: str, how: str) -> bytes | None:
     """The key of ``file_var`` (a file's path) or else ``hex_var`` (hex); None when neither is set."""
     path = env.get(file_var, "").strip()
     if path:
@@ -105,8 +110,8 @@ def _read_key(env: Mapping[str, str], file_var: str, hex_var: str) -> bytes | No
             with open(path, "rb") as fh:
                 data = fh.read(1 << 16)
         except OSError as exc:
-            raise SideChannelKeyError(f"{file_var}={path!r} cannot be read ({exc.strerror}); {_HOW}") from None
-        return parse_key_text(data, f"{file_var}={path!r}")
+            raise SideChannelKeyError(f"{file_var}={path!r} cannot be read ({exc.strerror}); {how}") from None
+        return parse_key_text(data, f"{file_var}={path!r}", how)
     text = env.get(hex_var, "").strip()
     if not text:
         return None
@@ -115,7 +120,7 @@ def _read_key(env: Mapping[str, str], file_var: str, hex_var: str) -> bytes | No
     except ValueError:
         key = None
     if key is None:
-        raise SideChannelKeyError(f"{hex_var} is not valid hex; {_HOW}")
+        raise SideChannelKeyError(f"{hex_var} is not valid hex; {how}")
     if len(key) < MIN_KEY_BYTES:
-        raise SideChannelKeyError(f"{hex_var} has {len(key)} bytes, at least {MIN_KEY_BYTES} are required; {_HOW}")
+        raise SideChannelKeyError(f"{hex_var} has {len(key)} bytes, at least {MIN_KEY_BYTES} are required; {how}")
     return key

@@ -111,7 +111,8 @@ def test_lynx_wiring(path: Path) -> None:
         assert key_file.startswith(mount["mountPath"] + "/") and mount["readOnly"] is True
         vols = by_kind(path, "Deployment")[name]["spec"]["template"]["spec"]["volumes"]
         assert next(v for v in vols if v["name"] == "side-channel-key")["secret"]["secretName"] == "lynx-side-channel-key"
-        assert any(e["name"] == "LYNX_SIDE_CHANNEL_EXTRA_KEY" for e in front["env"])  # read like P and D do
+        # it only signs, with the deployment key: a rotation's extra key is for P and D, which verify
+        assert all(e["name"] != "LYNX_SIDE_CHANNEL_EXTRA_KEY" for e in front["env"])
     if path.name == "xpyd.yaml":
         assert sets["lynx-prefill"]["spec"]["replicas"] > 1 and sets["lynx-decode"]["spec"]["replicas"] > 1
 
