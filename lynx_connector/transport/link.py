@@ -72,6 +72,7 @@ class PeerLink:
         # insecure: an empty key, same protocol; a rotation's extra key is accepted from P, then spoken with it
         self._keys = (key if key is not None else b"", *extra_keys)
         self._key = self._keys[0]
+        self.extra_key = False  # this session's key is the rotation's extra key (P proved it, not ours)
         self.state = "hello"  # hello (Hello sent) -> auth (Auth sent) -> ready; failed once dropped
         self.nonce_d = secrets.token_bytes(16)  # one per connection: a re-sent Hello is the same Hello
         self.skey = b""
@@ -184,9 +185,9 @@ class PeerLink:
     def on_challenge(self, msg: proto.Challenge) -> bool:
         """Check P's proof of a key we accept (ours, or a rotation's extra key); on success derive the session key
         from that key. False: P holds none of them."""
-        for key in self._keys:
+        for i, key in enumerate(self._keys):
             if hmac.compare_digest(msg.proof_p, proto.proof_p(key, self.nonce_d, msg.nonce_p)):
-                self._key = key
+                self._key, self.extra_key = key, i > 0
                 break
         else:
             return False

@@ -218,8 +218,9 @@ class ReplyHandlers:
         peer.auth_refusals = 0
         peer.session_id, peer.lease_s, peer.keepalive_at = msg.session_id, msg.lease_s, 0.0
         self._security["handshakes"] += 1
-        logger.info("lynx sink: handshake with %s:%s done (agent %s%s)", *peer.addr, peer.agent,
-                    ", reconnected" if peer.reconnects else "")
+        logger.info("lynx sink: handshake with %s:%s done (agent %s%s%s)", *peer.addr, peer.agent,
+                    ", reconnected" if peer.reconnects else "",
+                    ", under the extra key of a rotation" if peer.extra_key else "")
         self._courier.resume(peer.addr, time.monotonic())  # Dones refused while the session was down
         for pull in self._pulls_of(peer):
             if pull.state not in ("transferring", "staged"):  # a staged pull's lease: KeepAlives (gone = fail)

@@ -526,6 +526,8 @@ def test_key_rotation_d_accepts_a_p_proving_its_extra_key(fabric: FakeFabric, si
             assert torch.equal(loc.anchor, st.anchor) and torch.equal(loc.residual, st.residual)
             rotating.pool.free_request(f"d{i}")
         assert rotating.stats()["peers"] == 2
+        assert {link.addr: link.extra_key for link in rotating._peers.values()} == {old_p.address: True,
+                                                                                   new_p.address: False}
         for d_key, p in ((OTHER_KEY, old_p), (TEST_KEY, new_p)):  # D without the extra key: refused as before
             plain = sinks(d_key)
             stage(p, f"x{id(plain)}", 4096, 0)
