@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,8 +215,10 @@ class AutoPolicy:
         if p_link is not None:
             self.estimator().observe_link(*p_link)
 
-    def choose(self, request: Any, kv_dtype: str, speculation: bool) -> tuple[str, str]:
-        """(mode, reason) for ``request`` (a vLLM Request asking for auto)."""
+    def choose(self, request: Any, kv_dtype: str, speculation: bool,
+               fits: Callable[[str], bool] | None = None) -> tuple[str, str]:
+        """(mode, reason) for ``request`` (a vLLM Request asking for auto); ``fits(mode)``: whether its prompt fits
+        P's staging in that mode (the modes that do not are no candidates, unless none does)."""
         from lynx_connector.fanout import child_of
 
         req_id = request.request_id
@@ -231,6 +233,8 @@ class AutoPolicy:
                  and not request.use_structured_output)
         n = request.num_prompt_tokens
         candidates = self._config.auto_modes
+        if fits is not None:
+            candidates = [m for m in candidates if fits(m)] or candidates
         link = est.link()
         req = est.request(candidates, n, _dtype(kv_dtype, self._vllm_config), early)
         choice = choose(candidates, link, req, speculation)

@@ -169,6 +169,9 @@ class LynxHandshakeMetadata(KVConnectorHandshakeMetadata):
     tp_rank: int
     #: The worker's KV cache dtype (``"float32"``...): P tells D in kv_transfer_params (``lynx_kv_dtype``).
     kv_dtype: str = ""
+    #: Per transfer mode, the longest prompt one request may have to fit P's staging pool whole (``max_model_len``
+    #: when it always fits); P's scheduler half refuses a longer one before staging it. Empty = not known.
+    longest_prompt: dict[str, int] = field(default_factory=dict)
 
 
 class InvalidTransferParams(ValueError):

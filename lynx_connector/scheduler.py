@@ -23,6 +23,8 @@ the same step the blocks are freed (the worker drops it before it could write ag
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from typing import TYPE_CHECKING, Any
 
 from lynx_connector.auto import AUTO_KEY, AutoPolicy
@@ -77,6 +79,8 @@ class LynxConnectorScheduler(ServedMode):
         self._side_channel_host = config.side_channel_host
         self._side_channel_ports: list[int] = []
         self._kv_dtype = ""  # P's KV cache dtype, from its workers' handshake metadata
+        self._longest: dict[str, int] = {}  # P: per mode, the longest prompt every worker's staging holds
+        self._too_long_logged = -math.inf
         # P: requests to encode once their prompt is computed (with their mode); the ones already encoded.
         self._save_tracked: dict[str, Request] = {}
         self._save_mode: dict[str, str] = {}
@@ -140,6 +144,10 @@ class LynxConnectorScheduler(ServedMode):
         self._side_channel_host = metas[0].host
         self._side_channel_ports = [m.port for m in metas]
         self._kv_dtype = metas[0].kv_dtype  # announced to D with every request P serves (lynx_kv_dtype)
+        self._longest = {}
+        for m in metas:
+            for mode, n in m.longest_prompt.items():
+                self._longest[mode] = min(n, self._longest.get(mode, n))
         logger.info("LynxConnector: side channel of this engine at %s ports %s",
                     self._side_channel_host, self._side_channel_ports)
 
@@ -164,6 +172,26 @@ class LynxConnectorScheduler(ServedMode):
         self.stats.record_refusal("mode_not_allowed")
         self._refusal_log.warn(req_id, ParamsRefused("mode_not_allowed", message), what="lynx_mode",
                                outcome="not staged, its response carries the error")
+        return None
+
+    def _fits(self, num_tokens: int, mode: str) -> bool:
+        return num_tokens <= self._longest.get(mode, num_tokens)
+
+    def _refuse_too_long(self, request: Request, mode: str) -> None:
+        """P: a prompt that can never fit the staging pool whole in ``mode`` is refused before it is staged, with a
+        400-style ``lynx_error`` (the proxy answers the client with it and never calls D, or cancels D's call);
+        before, P prefilled it, failed to stage it, and D's pull failed."""
+        n, limit = request.num_prompt_tokens, self._longest[mode]
+        message = (f"the prompt ({n} tokens) does not fit the prefill instance's staging pool in lynx_mode {mode!r}: "
+                   f"at most {limit} tokens with staging_mb={self.config.staging_mb}; raise staging_mb on the "
+                   "prefill instances, or ask for a mode with fewer bytes per token")
+        self._refused[request.request_id] = {"message": message, "type": "BadRequestError", "param": "prompt",
+                                             "code": 400}
+        self.stats.record_failure("too_large")
+        now = time.monotonic()
+        if now - self._too_long_logged >= 10.0:  # at most one line per 10 s: a client may send many
+            self._too_long_logged = now
+            logger.warning("Request %s not staged: %s", request.request_id[:128], message)
         return None
 
     # ---- D: loading -----------------------------------------------------------------------------------
@@ -221,7 +249,10 @@ class LynxConnectorScheduler(ServedMode):
             mode = self._request_mode(request.request_id, params)
             if mode == AUTO_MODE:
                 spec = self.speculation_enabled if self.config.auto_speculative is None else self.config.auto_speculative
-                mode, self._auto_reason[request.request_id] = self._auto.choose(request, self._kv_dtype, spec)
+                mode, self._auto_reason[request.request_id] = self._auto.choose(
+                    request, self._kv_dtype, spec, fits=lambda m: self._fits(request.num_prompt_tokens, m))
+            if mode is not None and not self._fits(request.num_prompt_tokens, mode):
+                mode = self._refuse_too_long(request, mode)
             if mode is not None and params.get(FLOW_KEY) == CONCURRENT and not self._take_given_ticket(request):
                 mode = None
             if mode is not None:

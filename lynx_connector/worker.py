@@ -89,6 +89,7 @@ class LynxConnectorWorker(ReceiveHalf):
         # seconds per token of recent Lynx layer encodes (times the layers): their minimum is the codec's cost,
         # without a first call's compilation or a moment of CPU contention
         self._lynx_encode_s: deque[float] = deque(maxlen=64)
+        self._longest_prompt: dict[str, int] = {}  # P: per mode, the longest prompt its pool holds (start-up)
         self._link_sent_at = 0.0
         self._init_receive()  # D's pulls (receiving.py)
         self._step = 0  # poll() calls, one per engine step
@@ -176,9 +177,9 @@ class LynxConnectorWorker(ReceiveHalf):
 
     def _check_staging_reach(self) -> None:
         """Start-up: warn when the staging pool cannot hold one request of ``max_model_len`` tokens in a mode this
-        instance allows. Such a request is refused whole ("more than P's whole pool") after P prefilled it, so
-        the operator learns it here, with the longest prompt each mode can carry and the staging_mb that holds
-        them all (D's passthrough is sized as this cache's dtype: P's may differ)."""
+        instance allows, with the longest prompt each mode can carry and the staging_mb that holds them all (D's
+        passthrough is sized as this cache's dtype: P's may differ). P's longest prompt per mode also goes to its
+        scheduler half (handshake metadata), which refuses a longer one before it is staged."""
         max_len = getattr(self.vllm_config.model_config, "max_model_len", None)
         if not isinstance(max_len, int) or max_len < 1:
             return
@@ -205,6 +206,8 @@ class LynxConnectorWorker(ReceiveHalf):
                     mid = (lo + hi + 1) // 2
                     lo, hi = (mid, hi) if fits(mode, mid) else (lo, mid - 1)
                 short[mode] = lo
+            if endpoint is self.source:  # told to P's scheduler half, which refuses longer prompts before staging
+                self._longest_prompt[mode] = short.get(mode, max_len)
         if short:
             logger.warning("LynxConnector: staging_mb=%d holds one request of at most %s tokens, but "
                            "max_model_len is %d: a longer prompt in those modes fails whole after its prefill. "
@@ -222,7 +225,8 @@ class LynxConnectorWorker(ReceiveHalf):
             return None
         host, port = self.source.address
         return LynxHandshakeMetadata(host=host, port=port, tp_rank=self.tp_rank,
-                                     kv_dtype=dtype_name(self.layout.dtype) if self.layout else "")
+                                     kv_dtype=dtype_name(self.layout.dtype) if self.layout else "",
+                                     longest_prompt=dict(self._longest_prompt))
 
     def _codec(self, mode: str) -> Any:
         """The codec of a transfer mode (the modes table): every Lynx mode shares the lynx planes; baselines are

@@ -453,3 +453,30 @@ def test_lynx_proxy_pipelines_auto_requests():
     book.learn("p", {}, {**p_params, "lynx_auto": None})
     assert book.plan("p", {})[1] == "speculative"
     assert FlowBook(signer=None).plan("p", {}) is None  # no deployment key: sequential only
+
+
+def test_p_refuses_a_prompt_its_staging_can_never_hold_and_auto_avoids_such_modes():
+    """The workers tell P's scheduler half the longest prompt their staging pool holds per mode (handshake
+    metadata, measured at start-up): a longer one is refused before it is staged, with a 400 ``lynx_error`` the
+    proxy relays (before, P prefilled it, failed to stage it, and D's pull failed); auto leaves out the modes it
+    does not fit, and is refused only when it fits none."""
+    s, mgr = make_p(allowed_modes="full,speculative,bf16,auto,int8")  # no link rate known: auto -> bf16
+    s.set_handshake({0: LynxHandshakeMetadata(host="10.1.2.3", port=5555, tp_rank=0, kv_dtype="float32",
+                                              longest_prompt={"bf16": 1000, "full": 4000, "speculative": 4000,
+                                                              "int8": 4000})})
+    assert serve_on_p(s, mgr, p_req("short", 900, {"do_remote_decode": True}))[0] == "bf16"
+    assert serve_on_p(s, mgr, p_req("long", 2000, {"do_remote_decode": True}))[0] == "full"  # bf16 cannot hold it
+    assert serve_on_p(s, mgr, p_req("long8", 2000, {"do_remote_decode": True, "lynx_mode": "int8"}))[0] == "int8"
+    failures = s.stats.data["failed_too_large"]
+    for req_id, n, params in (("b", 2000, {"do_remote_decode": True, "lynx_mode": "bf16"}),
+                              ("huge", 5000, {"do_remote_decode": True})):  # auto: no mode holds it
+        r = p_req(req_id, n, params)
+        mgr.blocks[req_id] = list(range(-(-n // BS)))
+        s.update_state_after_alloc(r, FakeBlocks(mgr.blocks[req_id]), 0)
+        assert s.build_connector_meta(sched_out(**{req_id: n})).reqs_to_save == []  # never staged
+        r.status, r.output_token_ids, r.num_output_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, [7], 1
+        hold, out = s.request_finished(r, [])
+        err = out["lynx_error"]
+        assert hold is False and err["code"] == 400 and f"({n} tokens)" in err["message"], out
+        assert "staging_mb" in err["message"] and "at most" in err["message"]
+    assert s.stats.data["failed_too_large"] == failures + 2  # vllm:lynx_failed_transfers_total{reason="too_large"}

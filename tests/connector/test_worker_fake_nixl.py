@@ -736,8 +736,9 @@ def test_start_up_warns_when_staging_cannot_hold_max_model_len(monkeypatch, capl
         with caplog.at_level(logging.WARNING):
             w.register_kv_caches({f"layer.{i}": torch.randn(NB, H, BS, 2 * D) for i in range(LAYERS)})
         said = [r.getMessage() for r in caplog.records if "staging_mb=1 holds" in r.getMessage()]
+        longest = w.handshake_metadata().longest_prompt  # what P's scheduler half refuses longer prompts by
         if max_model_len == 64:
-            assert said == []
+            assert said == [] and longest == {"full": 64, "bf16": 64}
             return
         assert len(said) == 1, said
 
@@ -754,6 +755,7 @@ def test_start_up_warns_when_staging_cannot_hold_max_model_len(monkeypatch, capl
         assert fits, "the test's sizes must not fit 1 MiB"  # the fp32 passthrough is 1 KiB a token here
         for mode, n in fits.items():
             assert f"{n} ({mode})" in said[0], (mode, n, said[0])
+        assert longest == {m: fits.get(m, max_model_len) for m in ("full", "bf16")}
         need = max(size(m, max_model_len) for m in ("full", "bf16"))
         suggested = int(said[0].split("staging_mb=")[-1].split()[0])
         assert suggested == -(-need // (1 << 20)) or suggested == -(-need // (1 << 20)) + 1, said[0]

@@ -190,6 +190,27 @@ def test_a_decode_instance_midway_through_a_key_rotation_serves_the_old_key_pref
         d.close()
 
 
+def test_a_prompt_p_can_never_stage_is_refused_before_staging(model, engines, prompts):
+    """A P whose staging pool (16 MB here) cannot hold the prompt in the mode asked for (the fp32 passthrough:
+    about 46 KB a token, ~350 tokens fit) answers with a 400 ``lynx_error`` instead of remote-prefill params, at once
+    (its workers told its scheduler half the longest prompt per mode at start-up); lynx full, which fits, is served
+    to D as usual."""
+    from lynx_connector.lab.data import needle_found
+
+    _, d, _ = engines
+    small = EngineProcess(model, lynx_kv_config("full", staging_mb=16), cpu="0")
+    try:
+        ids = [prompts[0].token_ids]
+        bad = small.generate(ids, [{"do_remote_decode": True, "lynx_mode": "bf16"}], max_tokens=1)[0]
+        err = (bad["kv_transfer_params"] or {}).get("lynx_error")
+        assert err and err["code"] == 400 and "staging_mb=16" in err["message"], bad["kv_transfer_params"]
+        assert not bad["kv_transfer_params"].get("do_remote_prefill")
+        out, _ = run_pd(small, d, prompts[:1], "full")
+        assert needle_found(prompts[0].answer, out[0]["text"]), out[0]["text"]
+    finally:
+        small.close()
+
+
 @pytest.mark.parametrize("policy", ["fail", pytest.param("recompute", marks=pytest.mark.extended)])
 def test_vanished_prefill_ends_in_the_failure_policy(model, prompts, policy):
     from lynx_connector.lab.data import needle_found
