@@ -1,8 +1,8 @@
 """Where P's memory goes under load: a leak of the connector, or the allocator keeping freed memory?
 
 A real P and D (``lynx_connector.lab.engine.EngineProcess``, the real model, KV over NIXL, the modes full, int8 and
-bf16 in turn) get waves of 8 requests: first the same 8 prompt lengths again and again, then 8 new lengths per wave,
-then the first 8 again. After each wave the script reads, inside P's engine process: its RSS, glibc's ``mallinfo2``
+bf16 in turn) get waves of 8 requests: first the same 8 prompt lengths again and again, then 8 lengths per wave that
+no earlier request had, then the first 8 again. Sizes are MiB (2**20 bytes). After each wave the script reads, inside P's engine process: its RSS, glibc's ``mallinfo2``
 (live heap ``uordblks``, kept free ``fordblks``) and the sizes of the connector's per-request structures on P; at
 the end it calls ``malloc_trim(0)`` and reads them again. ``--no-connector`` runs a plain engine on the same
 prompts (prefill only), the baseline of what vLLM and torch do alone.
@@ -96,6 +96,12 @@ def main() -> int:
     def prompts(lengths: list[int]) -> list[list[int]]:
         return [base[(o := rng.randrange(0, len(base) - n)):o + n] for n in lengths]
 
+    unseen = list(range(130, 800))  # prompt lengths no request had yet, drawn without repeats
+    rng.shuffle(unseen)
+
+    def lengths(k: int) -> list[int]:
+        return [unseen.pop() for _ in range(k)]
+
     kv = {"kv_connector": "LynxConnector", "kv_connector_module_path": "lynx_connector.connector", "kv_role": "kv_both",
           "kv_connector_extra_config": {"mode": "full", "staging_mb": 256, "allowed_modes": "all"}}
     p = EngineProcess(model, None if args.no_connector else kv, cpu="0")
@@ -119,21 +125,24 @@ def main() -> int:
             snap = p.call("p_memory:snapshot")
             rows.append({"phase": phase, "requests": sent, "t": round(time.monotonic() - t0, 1), **snap})
             state = snap.get("connector_state", {})
-            print(f"{phase:8s} {sent:4d} requests: P RSS {snap['rss_mb']:7.1f} MB, live {snap['live_mb']:6.1f}, kept "
+            print(f"{phase:8s} {sent:4d} requests: P RSS {snap['rss_mb']:7.1f} MiB, live {snap['live_mb']:6.1f}, kept "
                   f"free {snap['kept_free_mb']:6.1f}, connector state {sum(state.values()) if state else '-'}",
                   flush=True)
 
-        wave("warm-up", prompts([150, 300, 450]))
-        fixed = prompts([rng.randrange(130, 800) for _ in range(PER_WAVE)])
+        warm = [150, 300, 450]
+        for n in warm:
+            unseen.remove(n)
+        wave("warm-up", prompts(warm))
+        fixed = prompts(lengths(PER_WAVE))
         for _ in range(args.fixed_waves):
             wave("same", fixed)
         for _ in range(args.new_waves):
-            wave("new", prompts([rng.randrange(130, 800) for _ in range(PER_WAVE)]))
+            wave("new", prompts(lengths(PER_WAVE)))
         for _ in range(max(1, args.fixed_waves // 2)):
             wave("same", fixed)
         rows.append({"phase": "malloc_trim", "requests": sent, **p.call("p_memory:trim")})
         last = rows[-1]
-        print(f"after malloc_trim: P RSS {last['rss_mb']:.1f} MB, live {last['live_mb']:.1f}, kept free "
+        print(f"after malloc_trim: P RSS {last['rss_mb']:.1f} MiB, live {last['live_mb']:.1f}, kept free "
               f"{last['kept_free_mb']:.1f}")
     finally:
         if d is not None:
@@ -145,13 +154,13 @@ def main() -> int:
     first_same = next(r for r in rows if r["phase"] == "same")
     last_same = [r for r in rows if r["phase"] == "same"][args.fixed_waves - 1]
     new = [r for r in rows if r["phase"] == "new"]
-    print(f"same lengths: RSS {first_same['rss_mb']:.1f} -> {last_same['rss_mb']:.1f} MB, live heap "
-          f"{first_same['live_mb']:.1f} -> {last_same['live_mb']:.1f} MB over "
+    print(f"same lengths: RSS {first_same['rss_mb']:.1f} -> {last_same['rss_mb']:.1f} MiB, live heap "
+          f"{first_same['live_mb']:.1f} -> {last_same['live_mb']:.1f} MiB over "
           f"{last_same['requests'] - first_same['requests']} requests")
     if new:
-        print(f"new lengths: RSS {last_same['rss_mb']:.1f} -> {new[-1]['rss_mb']:.1f} MB, live heap "
-              f"{last_same['live_mb']:.1f} -> {new[-1]['live_mb']:.1f} MB over {new[-1]['requests'] - last_same['requests']} "
-              f"requests; after malloc_trim RSS {rows[-1]['rss_mb']:.1f} MB")
+        print(f"new lengths: RSS {last_same['rss_mb']:.1f} -> {new[-1]['rss_mb']:.1f} MiB, live heap "
+              f"{last_same['live_mb']:.1f} -> {new[-1]['live_mb']:.1f} MiB over {new[-1]['requests'] - last_same['requests']} "
+              f"requests; after malloc_trim RSS {rows[-1]['rss_mb']:.1f} MiB")
     if "connector_state" in rows[-1]:
         print("connector state on P at the end (entries):",
               {k: v for k, v in rows[-1]["connector_state"].items() if v} or "all empty")
