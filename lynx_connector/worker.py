@@ -210,10 +210,11 @@ class LynxConnectorWorker(ReceiveHalf):
                 self._longest_prompt[mode] = short.get(mode, max_len)
         if short:
             logger.warning("LynxConnector: staging_mb=%d holds one request of at most %s tokens, but "
-                           "max_model_len is %d: a longer prompt in those modes fails whole after its prefill. "
-                           "staging_mb=%d holds max_model_len in every allowed mode", self.config.staging_mb,
+                           "max_model_len is %d: a longer prompt in those modes %s. staging_mb=%d holds "
+                           "max_model_len in every allowed mode", self.config.staging_mb,
                            ", ".join(f"{n} ({m})" for m, n in short.items()), max_len,
-                           -(-(need + STAGING_ALIGN) // (1 << 20)))  # + the anchor region's alignment
+                           "is refused by P (a 400 lynx_error, after its prefill)" if self.source is not None else
+                           "fails on D (its KV cannot be staged)", -(-(need + STAGING_ALIGN) // (1 << 20)))  # + the anchor region's alignment
 
     def _status_counters(self) -> dict[str, Any]:
         """The worker's queues for the status file (read from a transport thread: sizes only)."""

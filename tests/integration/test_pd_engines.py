@@ -192,9 +192,9 @@ def test_a_decode_instance_midway_through_a_key_rotation_serves_the_old_key_pref
 
 def test_a_prompt_p_can_never_stage_is_refused_before_staging(model, engines, prompts):
     """A P whose staging pool (16 MB here) cannot hold the prompt in the mode asked for (the fp32 passthrough:
-    about 46 KB a token, ~350 tokens fit) answers with a 400 ``lynx_error`` instead of remote-prefill params, at once
-    (its workers told its scheduler half the longest prompt per mode at start-up); lynx full, which fits, is served
-    to D as usual."""
+    about 46 KB a token, ~350 tokens fit) answers with a 400 ``lynx_error`` instead of remote-prefill params, without
+    staging it (its workers told its scheduler half the longest prompt per mode at start-up; it still computes the
+    prompt: vLLM scheduled it); lynx full, which fits, is served to D as usual."""
     from lynx_connector.lab.data import needle_found
 
     _, d, _ = engines
