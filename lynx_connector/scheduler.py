@@ -177,12 +177,13 @@ class LynxConnectorScheduler(ServedMode):
     def _fits(self, num_tokens: int, mode: str) -> bool:
         return num_tokens <= self._longest.get(mode, num_tokens)
 
-    def _refuse_too_long(self, request: Request, mode: str) -> None:
+    def _refuse_too_long(self, request: Request, mode: str, auto: bool) -> None:
         """P: a prompt that can never fit the staging pool whole in ``mode`` is refused before it is staged, with a
         400-style ``lynx_error`` (the proxy answers the client with it and never calls D, or cancels D's call);
         before, P prefilled it, failed to stage it, and D's pull failed."""
         n, limit = request.num_prompt_tokens, self._longest[mode]
-        message = (f"the prompt ({n} tokens) does not fit the prefill instance's staging pool in lynx_mode {mode!r}: "
+        message = (f"the prompt ({n} tokens) does not fit the prefill instance's staging pool in lynx_mode {mode!r}"
+                   f"{' (auto: no allowed mode fits it)' if auto else ''}: "
                    f"at most {limit} tokens with staging_mb={self.config.staging_mb}; raise staging_mb on the "
                    "prefill instances, or ask for a mode with fewer bytes per token")
         self._refused[request.request_id] = {"message": message, "type": "BadRequestError", "param": "prompt",
@@ -252,7 +253,7 @@ class LynxConnectorScheduler(ServedMode):
                 mode, self._auto_reason[request.request_id] = self._auto.choose(
                     request, self._kv_dtype, spec, fits=lambda m: self._fits(request.num_prompt_tokens, m))
             if mode is not None and not self._fits(request.num_prompt_tokens, mode):
-                mode = self._refuse_too_long(request, mode)
+                mode = self._refuse_too_long(request, mode, request.request_id in self._auto_reason)
             if mode is not None and params.get(FLOW_KEY) == CONCURRENT and not self._take_given_ticket(request):
                 mode = None
             if mode is not None:

@@ -479,4 +479,5 @@ def test_p_refuses_a_prompt_its_staging_can_never_hold_and_auto_avoids_such_mode
         err = out["lynx_error"]
         assert hold is False and err["code"] == 400 and f"({n} tokens)" in err["message"], out
         assert "staging_mb" in err["message"] and "at most" in err["message"]
+        assert ("no allowed mode fits" in err["message"]) == (req_id == "huge")
     assert s.stats.data["failed_too_large"] == failures + 2  # vllm:lynx_failed_transfers_total{reason="too_large"}
