@@ -23,8 +23,6 @@ the same step the blocks are freed (the worker drops it before it could write ag
 from __future__ import annotations
 
 import dataclasses
-import math
-import time
 from typing import TYPE_CHECKING, Any
 
 from lynx_connector.auto import AUTO_KEY, AutoPolicy
@@ -80,7 +78,6 @@ class LynxConnectorScheduler(ServedMode):
         self._side_channel_ports: list[int] = []
         self._kv_dtype = ""  # P's KV cache dtype, from its workers' handshake metadata
         self._longest: dict[str, int] = {}  # P: per mode, the longest prompt every worker's staging holds
-        self._too_long_logged = -math.inf
         # P: requests to encode once their prompt is computed (with their mode); the ones already encoded.
         self._save_tracked: dict[str, Request] = {}
         self._save_mode: dict[str, str] = {}
@@ -189,10 +186,8 @@ class LynxConnectorScheduler(ServedMode):
         self._refused[request.request_id] = {"message": message, "type": "BadRequestError", "param": "prompt",
                                              "code": 400}
         self.stats.record_failure("too_large")
-        now = time.monotonic()
-        if now - self._too_long_logged >= 10.0:  # at most one line per 10 s: a client may send many
-            self._too_long_logged = now
-            logger.warning("Request %s not staged: %s", request.request_id[:128], message)
+        self._refusal_log.note(request.request_id, "too_large", message, what="request",
+                               outcome="not staged, its response carries the error")
         return None
 
     # ---- D: loading -----------------------------------------------------------------------------------

@@ -167,8 +167,8 @@ def check_prompt(params: Mapping[str, Any], prompt_ids: Sequence[int] | None, nu
 
 
 class RefusalLog:
-    """Warnings about refused params: at most one per ``every_s`` per reason (a flood of forged requests must
-    not flood the log), with the number suppressed since the last one."""
+    """Warnings about refused params (and requests P refuses): at most one per ``every_s`` per reason (a flood of
+    forged requests must not flood the log), with the number suppressed since the last one."""
 
     def __init__(self, every_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._every_s = every_s
@@ -179,13 +179,16 @@ class RefusalLog:
     def warn(self, req_id: str, exc: ParamsRefused, what: str = "remote-prefill params",
              outcome: str = "computing its prompt locally") -> bool:
         """Log it unless one of its reason was logged less than ``every_s`` ago; True when logged."""
+        return self.note(req_id, exc.reason, str(exc), what, outcome)
+
+    def note(self, req_id: str, reason: str, message: str, what: str, outcome: str) -> bool:
+        """:meth:`warn` for any refusal of a request (``reason``: its rate-limit key, e.g. P's ``too_large``)."""
         now = self._clock()
-        if now - self._last.get(exc.reason, -math.inf) < self._every_s:
-            self._suppressed[exc.reason] = self._suppressed.get(exc.reason, 0) + 1
+        if now - self._last.get(reason, -math.inf) < self._every_s:
+            self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
             return False
-        self._last[exc.reason] = now
-        more = self._suppressed.pop(exc.reason, 0)
-        logger.warning("Request %s: %s refused (%s: %s); %s%s", req_id[:128], what, exc.reason, str(exc)[:300],
-                       outcome,
+        self._last[reason] = now
+        more = self._suppressed.pop(reason, 0)
+        logger.warning("Request %s: %s refused (%s: %s); %s%s", req_id[:128], what, reason, message[:300], outcome,
                        f" ({more} more refused for this reason since the last warning)" if more else "")
         return True

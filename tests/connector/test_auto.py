@@ -455,7 +455,7 @@ def test_lynx_proxy_pipelines_auto_requests():
     assert FlowBook(signer=None).plan("p", {}) is None  # no deployment key: sequential only
 
 
-def test_p_refuses_a_prompt_its_staging_can_never_hold_and_auto_avoids_such_modes():
+def test_p_refuses_a_prompt_its_staging_can_never_hold_and_auto_avoids_such_modes(caplog):
     """The workers tell P's scheduler half the longest prompt their staging pool holds per mode (handshake
     metadata, measured at start-up): a longer one is refused before it is staged, with a 400 ``lynx_error`` the
     proxy relays (before, P prefilled it, failed to stage it, and D's pull failed); auto leaves out the modes it
@@ -481,3 +481,5 @@ def test_p_refuses_a_prompt_its_staging_can_never_hold_and_auto_avoids_such_mode
         assert "staging_mb" in err["message"] and "at most" in err["message"]
         assert ("no allowed mode fits" in err["message"]) == (req_id == "huge")
     assert s.stats.data["failed_too_large"] == failures + 2  # vllm:lynx_failed_transfers_total{reason="too_large"}
+    # warned through the refusals' rate-limited log: one line for the two (a client may send many)
+    assert sum("refused (too_large" in r.getMessage() for r in caplog.records) == 1
