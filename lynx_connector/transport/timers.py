@@ -145,14 +145,15 @@ class ControlTimers:
                        f"{cfg.timeout_s}s (it was still encoding it: P stalled or died mid-prefill)")
             return None
         peer = self._peers.get(pull.addr)
-        if peer is not None and peer.state == "ready":
-            if pull.sent_at is None and pull.requery_at is not None and now >= pull.requery_at:
-                pull.sent_at, pull.requery_at = now, None
-                peer.send(proto.Query(v=proto.VERSION, transfer_id=pull.transfer_id, token=pull.token))
-            elif pull.sent_at is not None and now - pull.sent_at >= cfg.resend_s:
-                self._resent += 1
-                pull.sent_at = now
-                peer.send(proto.Query(v=proto.VERSION, transfer_id=pull.transfer_id, token=pull.token))
+        if peer is None or peer.state != "ready":  # a re-handshake: its reply wakes the loop; a query now or a
+            return pull.progress_at + cfg.timeout_s  # resend that is due would spin the loop (poll timeout 0)
+        if pull.sent_at is None and pull.requery_at is not None and now >= pull.requery_at:
+            pull.sent_at, pull.requery_at = now, None
+            peer.send(proto.Query(v=proto.VERSION, transfer_id=pull.transfer_id, token=pull.token))
+        elif pull.sent_at is not None and now - pull.sent_at >= cfg.resend_s:
+            self._resent += 1
+            pull.sent_at = now
+            peer.send(proto.Query(v=proto.VERSION, transfer_id=pull.transfer_id, token=pull.token))
         times = [pull.progress_at + cfg.timeout_s]
         if pull.requery_at is not None:
             times.append(pull.requery_at)
