@@ -48,6 +48,7 @@ from lynx_connector.stats import LynxStats, TransportExporter
 from lynx_connector.testing import fault_hooks
 from lynx_connector.trace import trace
 from lynx_connector.transport import (
+    StagingAbandoned,
     StagingFullError,
     TransferSink,
     TransferSource,
@@ -297,7 +298,7 @@ class LynxConnectorWorker(ReceiveHalf):
 
     def _begin(self, spec: SaveSpec) -> StagingJob | None:
         """Allocate a request's staging (`StagingFullError` when the pool has no room); None when it was
-        rejected (it can never fit, or a test hook made its KV bad)."""
+        rejected (it can never fit, or a test hook made its KV bad) or D gave up on it meanwhile."""
         assert self.source is not None and self.layout is not None
         sl = self._plane_nbytes(spec.mode, spec.num_tokens)
         a, r = sl.nbytes
@@ -308,8 +309,12 @@ class LynxConnectorWorker(ReceiveHalf):
             self.source.reject(spec.req_id, "too_large", msg)
             self.stats.record_failure("too_large")
             return None
-        staged = self.source.alloc(spec.req_id, a, r, transfer_id=spec.transfer_id or None,
-                                   token=spec.token or None, mode=spec.mode, auto_reason=spec.auto_reason)
+        try:
+            staged = self.source.alloc(spec.req_id, a, r, transfer_id=spec.transfer_id or None,
+                                       token=spec.token or None, mode=spec.mode, auto_reason=spec.auto_reason)
+        except StagingAbandoned:
+            logger.info("LynxConnector: request %s not staged: its decode instance gave up on it", spec.req_id)
+            return None
         sid = staging_id(self.source.ticket(spec.req_id)[0], staged.generation)  # seeds the checksums
         self._faults.out_of_range_kv(spec.req_id, self.layers[0][1], self.layout, spec.block_ids, spec.num_tokens)
         return StagingJob(spec.req_id, spec, self._codec(spec.mode), sl, staged, sid)

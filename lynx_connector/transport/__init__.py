@@ -33,7 +33,7 @@ from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.events import ANCHOR, RESIDUAL, TransferEvent
 from lynx_connector.transport.keys import SideChannelKeyError, load_extra_keys, load_side_channel_key
 from lynx_connector.transport.nixl_wrapper import NixlUnavailableError, NixlWrapper, nixl_available
-from lynx_connector.transport.pool import StagedRequest, StagingFullError, StagingPool
+from lynx_connector.transport.pool import StagedRequest, StagingAbandoned, StagingFullError, StagingPool
 from lynx_connector.transport.protocol import ProtocolError, compat_hash
 from lynx_connector.transport.sink import TransferSink
 from lynx_connector.transport.source import TransferSource
@@ -46,6 +46,7 @@ __all__ = [
     "ProtocolError",
     "SideChannelKeyError",
     "StagedRequest",
+    "StagingAbandoned",
     "StagingFullError",
     "StagingPool",
     "TransferEvent",

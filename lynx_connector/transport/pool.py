@@ -29,6 +29,10 @@ class StagingFullError(RuntimeError):
     """The staging pool has no free contiguous region large enough."""
 
 
+class StagingAbandoned(RuntimeError):
+    """D gave up on an expected request (its Done) while P allocated its staging: nothing is staged."""
+
+
 @dataclass(frozen=True)
 class StagedRequest:
     """A request's staging: `anchor` and `residual` (None if single-stream) are uint8 views in the pool."""

@@ -40,7 +40,7 @@ from lynx_connector.transport.answers import SourceAnswers
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.handshake import PendingHandshakes, RateLimitedLog, Session, SideChannelServer
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
-from lynx_connector.transport.pool import StagedRequest, StagingPool
+from lynx_connector.transport.pool import StagedRequest, StagingAbandoned, StagingPool
 from lynx_connector.transport.status import StatusWriter
 from lynx_connector.transport.wake import Waker, unpin_current_thread
 
@@ -199,7 +199,8 @@ class TransferSource(SourceAnswers, SideChannelServer):
 
     def alloc(self, req_id: str, anchor_nbytes: int, residual_nbytes: int, *, transfer_id: str | None = None,
               token: str | None = None, mode: str = "", auto_reason: str = "") -> StagedRequest:
-        """Reserve staging for a request (raises `StagingFullError` when the pool is full); the request keeps the
+        """Reserve staging for a request (raises `StagingFullError` when the pool is full, `StagingAbandoned` when
+        D's Done for the expected request came meanwhile: nothing is held); the request keeps the
         credentials of `expect`, or gets ``transfer_id``/``token`` (minted when not given): see `ticket`.
         ``mode``/``auto_reason``: the transfer mode it is staged under and why auto chose it, named to D in every
         Regions answer (D sizes an auto pull of the concurrent flow by it)."""
@@ -215,9 +216,14 @@ class TransferSource(SourceAnswers, SideChannelServer):
         staged = self.pool.alloc_request(req_id, anchor_nbytes, residual_nbytes)
         try:
             with self._lock:
+                # D's Done for the expected request came while the pool allocated (the lock was not held): it
+                # gave up on it, so staging it would hold the pool for nobody until the lease
+                if req_id in self._abandoned and req_id not in self._entries:
+                    del self._abandoned[req_id]
+                    raise StagingAbandoned(f"request {req_id!r}: its decode instance gave up on it")
                 entry = self._entry_for(req_id, transfer_id, token, staged)
                 entry.mode, entry.auto_reason = mode, auto_reason
-        except ValueError:
+        except (ValueError, StagingAbandoned):
             self.pool.free_request(req_id)
             raise
         return staged

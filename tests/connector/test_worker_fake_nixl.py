@@ -27,7 +27,7 @@ from lynx_connector.config import LynxConfig
 from lynx_connector.layerwise import StagingJob
 from lynx_connector.metadata import LynxConnectorMetadata, RecvSpec, SaveSpec, mint_ticket
 from lynx_connector.modes import get_mode
-from lynx_connector.transport import TransferSink, TransferSource
+from lynx_connector.transport import StagingAbandoned, TransferSink, TransferSource
 from tests.transport.fakes import FakeFabric, FakeNixlWrapper
 
 pytestmark = pytest.mark.timeout(60)
@@ -402,6 +402,26 @@ def test_full_staging_on_p_and_d_waits_for_room_then_serves(pair):
     want = expected(p_caches, "full", full=True)
     assert all(torch.equal(d_caches[n], want[n]) for n in d_caches)
     assert_staging_freed(p, d)
+
+
+def test_a_request_d_gives_up_on_while_p_allocates_is_not_staged(pair, monkeypatch):
+    """D's Done for a waiting request lands while P allocates its staging (TransferSource.alloc raises
+    StagingAbandoned, tested with real zmq in tests/transport): P stages nothing, the save queue counts it
+    resolved, vLLM's blocks are released and no other request fails."""
+    make, _ = pair
+    p, _ = make("kv_producer")
+    p.source.alloc("filler", p.source.pool.nbytes - 4096, 0)
+    publish(p, "full")
+    assert p.saves.waiting == 1
+
+    def gave_up(req_id, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        raise StagingAbandoned(f"request {req_id!r}: its decode instance gave up on it")
+
+    p.source.abort("filler")
+    monkeypatch.setattr(p.source, "alloc", gave_up)
+    p.poll()
+    assert p.saves.waiting == 0 and p.finished_sending({"p1"}) == {"p1"}
+    assert p.source.pool.regions_live == 0 and p.stats.data["failed_stage"] == 0
 
 
 def test_staging_that_never_frees_fails_with_a_clear_error(pair):

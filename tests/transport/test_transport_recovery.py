@@ -15,6 +15,7 @@ import torch
 
 from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.config import TransportConfig
+from lynx_connector.transport.pool import StagingAbandoned
 from lynx_connector.transport.sink import TransferSink
 from lynx_connector.transport.source import TransferSource
 
@@ -630,6 +631,28 @@ def test_an_abandoned_request_that_p_aborts_is_forgotten(pair) -> None:
     assert "r1" in src._abandoned
     src.abort("r1")
     assert "r1" not in src._abandoned and not src.take_abandoned("r1")
+
+
+def test_a_done_that_comes_while_p_allocates_leaves_nothing_staged(pair, monkeypatch) -> None:
+    """D gives up on an expected request (its Done) after P's save queue asked take_abandoned and before alloc
+    took the lock again (the pool allocates without it): alloc raises StagingAbandoned and frees what it took;
+    before, it staged the request again under the same ticket and held the pool for nobody until the lease
+    (review)."""
+    src, sink = pair
+    tid, token = src.expect("r1")
+    real = src.pool.alloc_request
+
+    def alloc_while_d_gives_up(req_id, a, r):  # noqa: ANN001, ANN202
+        sink.discard(*src.address, tid, token)
+        wait_for(lambda: src.stats()["freed_done"] == 1)
+        return real(req_id, a, r)
+
+    monkeypatch.setattr(src.pool, "alloc_request", alloc_while_d_gives_up)
+    with pytest.raises(StagingAbandoned, match="gave up"):
+        src.alloc("r1", 1 << 16, 0, transfer_id=tid, token=token)
+    st = src.stats()
+    assert (st["requests_live"], st["bytes_allocated"]) == (0, 0), st
+    assert "r1" not in src._abandoned and "r1" not in src._entries
 
 
 def test_a_slow_failed_attempt_is_no_refusal(monkeypatch) -> None:
