@@ -338,6 +338,8 @@ class ReceiveHalf:
                 if fault is not None:
                     self._finish_recv(rec, error=fault)
                     continue
+            if self._recvs.get(ev.req_id) is not rec:  # writing its anchor failed (or finished it): done with
+                continue
             if rec.anchor_landed and rec.residual_landed and mode.pulls_residual:
                 if mode.late_residual and self._faults.defer_merge(ev.req_id, rec.anchor_step, self._step):
                     continue  # test hook: merged in a later step (due_merges)
