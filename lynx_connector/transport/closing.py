@@ -9,9 +9,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lynx_connector.logger import init_logger
 from lynx_connector.transport.link import Addr, DoneCourier, PeerLink, PullState
 
 __all__ = ["CLOSE_LINGER_MS", "CLOSE_TIMEOUT_S", "SinkClosing"]
+
+logger = init_logger(__name__)
 
 #: How long close() waits for the service thread to wind down (and, if it is stuck, for it to stop), seconds.
 CLOSE_TIMEOUT_S = 1.0
@@ -22,6 +25,7 @@ CLOSE_LINGER_MS = 200
 class SinkClosing:
     """Close and undo-init of `TransferSink` (a mixin: it works on the sink's attributes)."""
 
+    name: str
     _stop: bool
     _closing: threading.Event
     _closed: threading.Event
@@ -52,6 +56,10 @@ class SinkClosing:
         self._stop = True
         self._waker.wake()
         self._thread.join(timeout=5.0)
+        if self._thread.is_alive():  # stuck: its sockets and NIXL agent are not ours to close (not thread-safe)
+            logger.warning("lynx sink %s: its service thread did not stop within 5 s; its sockets and NIXL agent "
+                           "are left to the process's exit", self.name)
+            return
         self._sched.close()
         for peer in self._peers.values():
             self._drop_peer_resources(peer, linger_ms=CLOSE_LINGER_MS)

@@ -420,3 +420,33 @@ def test_a_connect_that_zmq_still_refuses_fails_that_pull_only(pair, monkeypatch
     with pytest.raises(zmq.ZMQError):
         link.PeerLink(ctx, poller, (".", 5555), 1 << 16, TEST_KEY)
     assert poller.sockets == []
+
+
+def test_close_leaves_a_stuck_service_thread_its_sockets(fabric: FakeFabric, caplog: pytest.LogCaptureFixture) -> None:
+    """A sink whose service thread does not stop (here one scheduler step blocks, standing in for a NIXL call
+    that hangs) is not torn down under it: close() warns and leaves its sockets and NIXL agent to the process's
+    exit, as the source does (zmq sockets are not thread-safe; before, they were closed under the live thread)."""
+    import threading
+
+    nixl = FakeNixlWrapper(fabric, "D")
+    sink = TransferSink(TransportConfig(pool_bytes=1 << 20, key=TEST_KEY), COMPAT, nixl=nixl)
+    entered, release = threading.Event(), threading.Event()
+    real_step = sink._sched.step
+
+    def blocking_step():  # noqa: ANN202
+        if not entered.is_set():
+            entered.set()
+            release.wait(30.0)
+        return real_step()
+
+    sink._sched.step = blocking_step
+    sink._waker.wake()
+    assert entered.wait(5.0)
+    try:
+        sink.close()
+        assert sink._thread.is_alive() and not nixl.closed
+        assert "did not stop within 5 s" in caplog.text
+    finally:
+        release.set()
+        sink._thread.join(5.0)
+    assert not sink._thread.is_alive()
