@@ -146,18 +146,23 @@ async def serve_pipelined(session: aiohttp.ClientSession, book: FlowBook, prefil
         """D's answer reaches the client only once P has accepted the request: P's refusal (4xx) is the answer
         then, as in the sequential flow (D may have computed the prompt itself, having refused the params too).
         P failing otherwise leaves the answer to D (its kv_load_failure_policy); a P silent for
-        ``VERDICT_WAIT_S`` after D answered does too."""
+        ``VERDICT_WAIT_S`` after D answered does too, and its call is cancelled then (D computed the prompt
+        itself: P would prefill and stage it for nobody, holding its slot and staging)."""
         try:
             await asyncio.wait_for(asyncio.shield(p_task), VERDICT_WAIT_S)
         except Passthrough:
             raise
-        except (TimeoutError, ProxyError):
+        except TimeoutError:
+            logger.info("request %s: prefill server %s had not answered %gs after D's answer; its call is "
+                        "cancelled", call.request_id, p_url, VERDICT_WAIT_S)
+            p_task.cancel()  # P aborts the request; run_prefill's finally gives its slot back
+        except ProxyError:
             return
 
     d_task = asyncio.create_task(decode(session, call, d_url, request, d_body, gate=p_verdict))
     try:
         await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
-        if p_task.done() and isinstance(p_task.exception(), Passthrough):  # P refused the request
+        if p_task.done() and not p_task.cancelled() and isinstance(p_task.exception(), Passthrough):  # refused
             await _cancel(d_task)
             exc = p_task.exception()
             assert isinstance(exc, Passthrough)

@@ -287,3 +287,30 @@ def test_d_that_fails_before_its_first_byte_is_a_clear_error(monkeypatch) -> Non
             assert "decode server unavailable" in (await resp.json())["error"]["message"]
 
     run_scenario([p], [d], scenario, flow="pipelined")
+
+
+def test_a_p_silent_after_d_answered_is_cancelled(monkeypatch) -> None:
+    """D answered (it computed the prompt itself, P being queued past D's concurrent_wait_s) and P has still not
+    answered VERDICT_WAIT_S later: D's answer goes out and the call to P is cancelled, so P aborts the request
+    and the proxy's P slot is free at once (before, P prefilled and staged it for nobody, holding the slot until
+    it answered: review)."""
+    from lynx_connector import proxy_flow
+
+    _with_key(monkeypatch)
+    monkeypatch.setattr(proxy_flow, "VERDICT_WAIT_S", 0.3)
+    p, d = TimedFake("prefill", delay=30.0), TimedFake("decode")
+
+    async def scenario(session, url):
+        async with _post(session, url, BODY) as resp:  # sequential: the proxy learns P (P's delay skipped)
+            assert resp.status == 200
+        async with _post(session, url, BODY) as resp:
+            assert resp.status == 200, await resp.text()
+        for _ in range(50):
+            if p.cancelled:
+                break
+            await asyncio.sleep(0.05)
+        async with session.get(url + "/lynx/stats") as resp:
+            stats = await resp.json()
+        assert p.cancelled == 1 and sum(stats["prefill"]["inflight"].values()) == 0, stats
+
+    run_scenario([p], [d], scenario, flow="pipelined")
