@@ -3,8 +3,8 @@
 A request takes a slot on a decode server, then one on a prefill server; it gives the prefill slot back when
 P has answered and the decode slot when D's response has been sent. The least-loaded server with a free slot
 is chosen (round-robin among equals). A request that finds every slot taken waits, first come first served,
-in a queue of at most ``max_queued``; a full queue, or a wait longer than ``queue_timeout_s``, is answered at
-once with 503 naming the limit, so an overload is a clear error, not a timeout somewhere behind the proxy.
+in a queue of at most ``max_queued``; a full queue, or a wait longer than ``queue_timeout_s`` (the proxy counts
+the waits for both slots together), is answered at once with 503 naming the limit, so an overload is a clear error, not a timeout somewhere behind the proxy.
 """
 
 from __future__ import annotations
@@ -63,7 +63,10 @@ class ServerSlots:
                 return url
         raise AssertionError("unreachable")
 
-    async def acquire(self) -> str:
+    async def acquire(self, timeout_s: float | None = None) -> str:
+        """A server's slot; ``timeout_s``: the longest wait (``queue_timeout_s`` when None; the proxy passes
+        what is left of it after the wait for the other role's slot)."""
+        wait_s = self.queue_timeout_s if timeout_s is None else timeout_s
         url = self._free_server() if not self._waiters else None
         if url is None:
             if len(self._waiters) >= self.max_queued:
@@ -77,7 +80,7 @@ class ServerSlots:
             try:
                 # Not wait_for(shield(fut)): on Python 3.11 a cancel that lands in the loop step in which fut is
                 # granted is swallowed there (the request would go on after its client left)
-                async with asyncio.timeout(self.queue_timeout_s):
+                async with asyncio.timeout(max(wait_s, 0.0)):
                     url = await fut
             except TimeoutError:
                 if fut.done() and not fut.cancelled():  # granted in the same instant: give it back
@@ -86,8 +89,9 @@ class ServerSlots:
                     fut.cancel()
                 self.rejected_timeout += 1
                 raise Overloaded(
-                    f"no {self.role} server had a free slot within {self.queue_timeout_s:g}s "
-                    f"({len(self.inflight)} servers x --max-inflight {self.max_inflight}; --queue-timeout)"
+                    f"no {self.role} server had a free slot within --queue-timeout {self.queue_timeout_s:g}s "
+                    f"(the wait for a decode and a prefill slot together; {len(self.inflight)} {self.role} servers "
+                    f"x --max-inflight {self.max_inflight})"
                 ) from None
             except asyncio.CancelledError:  # the client went away while waiting
                 if fut.done() and not fut.cancelled():

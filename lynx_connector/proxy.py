@@ -137,6 +137,10 @@ class ProxyConfig:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.flow not in FLOWS:
             raise ValueError(f"--flow must be one of {', '.join(FLOWS)}, got {self.flow!r}")
+        if self.queue_timeout_s >= self.request_timeout_s:
+            logger.warning("Lynx proxy: --queue-timeout %gs is not shorter than --request-timeout %gs: a request "
+                           "still queued is answered 504 (request timeout), not 503 (overloaded)",
+                           self.queue_timeout_s, self.request_timeout_s)
 
 
 def _server_urls(option: str, urls: list[str]) -> list[str]:
@@ -200,10 +204,12 @@ async def _serve(state: _State, call: Call, request: web.Request, body: dict[str
                  chat: bool) -> web.StreamResponse:
     assert state.session is not None
     call.phase = "waiting for a decode slot"
+    loop = asyncio.get_running_loop()
+    queue_end = loop.time() + state.config.queue_timeout_s  # --queue-timeout bounds both waits together
     # D's slot first: decode capacity is what P's staged KV waits for, so P only prefills for a ready D
     async with state.decode_slots.slot() as d_url:
         call.phase = "waiting for a prefill slot"
-        p_url = await state.prefill_slots.acquire()
+        p_url = await state.prefill_slots.acquire(queue_end - loop.time())
         plan = state.flows.plan(p_url, body)
         if plan is not None:  # P and D at once (proxy_flow.py); it releases P's slot when P has answered
             return await serve_pipelined(state.session, state.flows, state.prefill_slots, call, request, body, chat,

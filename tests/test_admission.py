@@ -110,3 +110,23 @@ def test_queue_full_and_queue_timeout_are_overloaded_and_leave_no_slot_counted()
         assert (s.rejected_queue_full, s.rejected_timeout) == (1, 1)
 
     asyncio.run(main())
+
+
+def test_a_wait_given_what_is_left_of_the_queue_timeout_ends_then() -> None:
+    """The proxy passes the prefill slot's wait what the decode slot's wait left of --queue-timeout (the two waits
+    together are bounded by it; before, each could take all of it); nothing left: refused at once when queued,
+    served when a slot is free."""
+    async def main() -> None:
+        s = ServerSlots("prefill", ["a"], 1, 4, 30.0)
+        loop = asyncio.get_running_loop()
+        await s.acquire(timeout_s=0.0)  # a free slot needs no wait
+        t0 = loop.time()
+        with pytest.raises(Overloaded, match="--queue-timeout 30s"):
+            await s.acquire(timeout_s=0.05)
+        assert loop.time() - t0 < 5.0
+        with pytest.raises(Overloaded):
+            await s.acquire(timeout_s=-1.0)
+        s.release("a")
+        assert s.inflight == {"a": 0} and s.stats().queued == 0 and s.rejected_timeout == 2
+
+    asyncio.run(main())

@@ -667,7 +667,7 @@ def test_request_deadline(proxy_log: list[str]) -> None:
         await asyncio.wait_for(d.cancelled.wait(), 5)
         await _idle(s, url)
 
-    run_scenario([Fake("prefill")], [d], scenario, request_timeout_s=0.5)
+    run_scenario([Fake("prefill")], [d], scenario, request_timeout_s=0.5, queue_timeout_s=0.4)
     deadline = [line for line in proxy_log if "--request-timeout" in line]
     assert len(deadline) == 2 and "during decode on http://127.0.0.1:" in deadline[0], proxy_log
 

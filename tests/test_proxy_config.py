@@ -54,3 +54,12 @@ def test_lynx_proxy_reports_a_bad_value_as_a_usage_error(args: list[str], messag
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "lynx proxy: error:" in err and "Traceback" not in err
+
+
+def test_a_queue_timeout_not_shorter_than_the_request_timeout_is_warned(caplog: pytest.LogCaptureFixture) -> None:
+    """Valid, but a request still queued would get the request timeout's 504, not the queue's 503: said once at
+    start-up (the defaults, 120 s and 1800 s, say nothing)."""
+    ProxyConfig(**BASE)
+    assert "--queue-timeout" not in caplog.text
+    ProxyConfig(**BASE, queue_timeout_s=60.0, request_timeout_s=30.0)
+    assert "--queue-timeout 60s is not shorter than --request-timeout 30s" in caplog.text
