@@ -33,7 +33,7 @@ PER_WAVE = 8
 SOURCE_STATE = ("_entries", "_by_tid", "_rejected", "_abandoned", "_orphans", "_sessions")
 SAVES_STATE = ("_waiting", "_resolved", "_finished")
 SCHEDULER_STATE = ("_save_tracked", "_save_mode", "_saved", "_save_ticket", "_given_ticket", "_refused",
-                   "_auto_reason", "_auto_report", "_local_hits", "_verified")
+                   "_auto_reason", "_auto_report", "_local_hits", "_verified", "_arrived")
 
 
 def _mallinfo() -> dict[str, float]:

@@ -23,6 +23,7 @@ the same step the blocks are freed (the worker drops it before it could write ag
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any
 
 from lynx_connector.auto import AUTO_KEY, AutoPolicy
@@ -89,6 +90,7 @@ class LynxConnectorScheduler(ServedMode):
         self._first_tokens_due: dict[str, int] = {}
         # P, concurrent flow: the tickets the proxy minted (and signed), by request, until the request is saved
         self._given_ticket: dict[str, tuple[str, str]] = {}
+        self._arrived: dict[str, float] = {}  # P, concurrent flow: when each request came (wall clock)
         # P: the finished children of each request vLLM fanned out (n > 1), listed in the last one's params
         self._siblings = SiblingBook(keep_s=config.effective_lease_s)
         # D: local prefix-hit tokens seen by get_num_new_matched_tokens; pulls to start; pulls in flight.
@@ -294,13 +296,20 @@ class LynxConnectorScheduler(ServedMode):
                 self.spec.start(request.request_id, remote.first_token)
             self._faults.on_pull(request.request_id, params)
 
+    def on_new_request(self, request: Request) -> None:
+        """P, concurrent flow: note when the request came. The proxy's ticket is checked against that time, not
+        against the time vLLM schedules it: a request that waited in P's queue is not refused as expired."""
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and params.get(FLOW_KEY) == CONCURRENT:
+            self._arrived[request.request_id] = time.time()
+
     def _take_given_ticket(self, request: Request) -> bool:
         """P, concurrent flow (lynx_connector/concurrent.py): the proxy minted the request's transfer id and
         token and gave them to D already; stage under them only when the proxy's signature verifies (a client
         must never choose a transfer id). False: refused, the response carries the error."""
         params, req_id = request.kv_transfer_params, request.request_id
         try:
-            self._signer.verify(params)
+            self._signer.verify(params, at=self._arrived.pop(req_id, None))
             tid, token = params.get("lynx_transfer_id"), params.get("lynx_token")
             if not (is_ticket_part(tid) and is_ticket_part(token)):
                 raise ParamsRefused("malformed", "lynx_transfer_id and lynx_token must be 32 lower-case hex "
@@ -419,6 +428,7 @@ class LynxConnectorScheduler(ServedMode):
         if params and params.get("do_remote_prefill"):
             self._discard_unpulled(request, params)
         self._given_ticket.pop(req_id, None)
+        self._arrived.pop(req_id, None)
         if self._save_tracked.pop(req_id, None) is None:
             out = {} if error is None else {"lynx_error": error}
             if report is not None:  # D: what auto chose for this request, in its final output

@@ -132,9 +132,9 @@ class ParamsSigner:
         out[SIG_KEY] = self._mac(out)
         return out
 
-    def verify(self, params: Mapping[str, Any]) -> None:
+    def verify(self, params: Mapping[str, Any], at: float | None = None) -> None:
         """Accept ``params`` or raise :class:`ParamsRefused`: unsigned, a bad signature (any signed key added,
-        removed or changed, another key), malformed, or expired."""
+        removed or changed, another key), malformed, or expired (at wall-clock time ``at``: now when None)."""
         sig = params.get(SIG_KEY)
         if sig is None:
             raise ParamsRefused("unsigned", "remote-prefill params carry no lynx_sig: only a prefill instance of "
@@ -147,11 +147,11 @@ class ParamsSigner:
         expires = params.get(EXPIRES_KEY)
         if not isinstance(expires, int) or isinstance(expires, bool):
             raise ParamsRefused("malformed", f"{EXPIRES_KEY} missing or not an integer")
-        now = self._clock()
-        if now > expires:
-            raise ParamsRefused("expired", f"the params expired {now - expires:.0f} s ago (valid for "
-                                           f"{self.ttl_s:g} s after the prefill: params_ttl_s; are the clocks of "
-                                           "the prefill and decode hosts in sync?)")
+        now = self._clock() if at is None else at
+        if now > expires:  # the signer's lifetime, not ours: the proxy signs with its own --params-ttl
+            raise ParamsRefused("expired", f"the params expired {now - expires:.0f} s ago (their lifetime is the "
+                                           "signer's: params_ttl_s of the prefill instance, --params-ttl of lynx "
+                                           "proxy; are the clocks of the proxy, prefill and decode hosts in sync?)")
 
 
 def check_prompt(params: Mapping[str, Any], prompt_ids: Sequence[int] | None, num_tokens: int) -> None:

@@ -483,3 +483,30 @@ def test_p_refuses_a_prompt_its_staging_can_never_hold_and_auto_avoids_such_mode
     assert s.stats.data["failed_too_large"] == failures + 2  # vllm:lynx_failed_transfers_total{reason="too_large"}
     # warned through the refusals' rate-limited log: one line for the two (a client may send many)
     assert sum("refused (too_large" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_p_checks_the_proxy_ticket_expiry_at_arrival_not_after_its_queue(monkeypatch):
+    """The proxy signs a concurrent-flow ticket for --params-ttl; a request that waited in P's queue past that
+    was refused as expired (a 400 for the client, D's call cancelled) although it came in time: P now checks
+    the expiry against the time vLLM added the request (on_new_request). One that came late is refused."""
+    import time as _time
+
+    from lynx_connector import scheduler as sched_mod
+    from lynx_connector.concurrent import mint, prefill_params
+
+    now = _time.time()
+    proxy = ParamsSigner(load_side_channel_key(), 60, clock=lambda: now - 100)  # signed 100 s ago: expired 40 s ago
+    s, mgr = make_p()
+    waited, late = (p_req(rid, 64, proxy.sign(prefill_params(*mint(), "full"))) for rid in ("c1", "c2"))
+    monkeypatch.setattr(sched_mod.time, "time", lambda: now - 90)  # c1 came 10 s after it was signed
+    s.on_new_request(waited)
+    monkeypatch.setattr(sched_mod.time, "time", lambda: now - 30)  # c2 came 70 s after: 10 s too late
+    s.on_new_request(late)
+    for r in (waited, late):
+        mgr.blocks[r.request_id] = [0, 1]
+        s.update_state_after_alloc(r, FakeBlocks([0, 1]), 0)
+    assert [x.req_id for x in s.build_connector_meta(sched_out(c1=64, c2=64)).reqs_to_save] == ["c1"]
+    late.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, out = s.request_finished(late, [0, 1])
+    assert "expired" in out["lynx_error"]["message"] and "--params-ttl" in out["lynx_error"]["message"]
+    assert s._arrived == {}
