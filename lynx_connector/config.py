@@ -152,9 +152,10 @@ class LynxConfig:
     #: P's side-channel port (rank r of a TP group uses port + r); 0 picks a free port, told to D the same way.
     side_channel_port: int = 0
     #: P frees a request's staging when D has neither finished nor renewed it for this many seconds (D renews
-    #: every request it pulls, queued or in flight, every quarter of P's lease). null: 120, or 1.25x the time a
-    #: full pool takes to drain at ``link_gbps`` when that is longer. A lease set shorter than that drain time
-    #: (staging_mb at link_gbps) is a start-up error.
+    #: every request it has started to pull, every quarter of P's lease; not one still waiting up to timeout_s
+    #: for D's own staging). null: 120, or 1.25x the time a full pool takes to drain at ``link_gbps``, or
+    #: timeout_s, whichever is longest. A lease set shorter than that drain time (staging_mb at link_gbps) or
+    #: than timeout_s is a start-up error.
     lease_s: float | None = None
     #: D gives up on a silent or vanished P after this many seconds (then kv_load_failure_policy applies).
     timeout_s: float = 30.0
@@ -270,6 +271,10 @@ class LynxConfig:
         problem = lease_problem(self.lease_s, self.staging_mb << 20, self.link_gbps)
         if problem:
             raise LynxConfigError(problem)
+        if self.lease_s is not None and self.lease_s < self.timeout_s:
+            raise LynxConfigError(f"lease_s={self.lease_s:g} is shorter than timeout_s={self.timeout_s:g}: D waits up to "
+                                  "timeout_s for its own staging before it pulls a request, and P's lease is not "
+                                  "renewed meanwhile; set lease_s >= timeout_s (or leave it null)")
 
     def _check_codec_options(self) -> None:
         """Build the Lynx codec with ``codec_options`` once, whatever the instance's own mode: a request may ask for
@@ -389,13 +394,14 @@ class LynxConfig:
     @property
     def effective_lease_s(self) -> float:
         """P's lease: ``lease_s``, or by default 120 s, lengthened to 1.25x the time a full pool takes to drain at
-        ``link_gbps`` when that is longer (the transport refuses a lease shorter than that drain time)."""
+        ``link_gbps`` or to ``timeout_s`` when that is longer (the transport refuses a lease shorter than that drain
+        time)."""
         if self.lease_s is not None:
             return self.lease_s
         from lynx_connector.transport.config import drain_seconds
 
         drain_s = drain_seconds(self.staging_mb << 20, self.link_gbps) or 0.0
-        return max(DEFAULT_LEASE_S, float(math.ceil(1.25 * drain_s)))
+        return max(DEFAULT_LEASE_S, float(math.ceil(1.25 * drain_s)), self.timeout_s)
 
     def describe(self) -> str:
         """One line for the start-up log."""

@@ -192,3 +192,13 @@ def test_every_key_that_can_be_unset_reads_null_alike(null):
     cfg = LynxConfig.from_extra_config({k: null for k in keys})
     assert cfg == LynxConfig.from_extra_config({})
 
+
+
+def test_a_lease_shorter_than_timeout_s_is_refused_and_the_default_lease_covers_it():
+    """D may wait up to timeout_s for its own staging before it pulls, without renewing P's lease: a shorter lease
+    would free P's staging under a request D is about to pull (review)."""
+    with pytest.raises(LynxConfigError, match="lease_s=10 is shorter than timeout_s=30"):
+        LynxConfig.from_extra_config({"lease_s": 10})
+    assert LynxConfig.from_extra_config({"lease_s": 30}).effective_lease_s == 30
+    assert LynxConfig.from_extra_config({}).effective_lease_s == 120
+    assert LynxConfig.from_extra_config({"timeout_s": 300}).effective_lease_s == 300
