@@ -58,8 +58,16 @@ class SinkClosing:
         self._thread.join(timeout=5.0)
         if self._thread.is_alive():  # stuck: its sockets and NIXL agent are not ours to close (not thread-safe)
             logger.warning("lynx sink %s: its service thread did not stop within 5 s; its sockets and NIXL agent "
-                           "are left to the process's exit", self.name)
+                           "are closed when it does", self.name)
+            threading.Thread(target=self._teardown, args=(True,), name=f"{self.name}-teardown", daemon=True).start()
             return
+        self._teardown()
+
+    def _teardown(self, after_thread: bool = False) -> None:
+        """Close the sockets, NIXL agent and zmq context (the service thread has stopped; ``after_thread``: wait
+        for it first, in a daemon thread: a context left open would hang its garbage collection in term())."""
+        if after_thread:
+            self._thread.join()
         self._sched.close()
         for peer in self._peers.values():
             self._drop_peer_resources(peer, linger_ms=CLOSE_LINGER_MS)

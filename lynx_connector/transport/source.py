@@ -368,8 +368,16 @@ class TransferSource(SourceAnswers, SideChannelServer):
         self._thread.join(timeout=5.0)
         if self._thread.is_alive():  # stuck: its socket is not ours to close (zmq sockets are not thread-safe)
             logger.warning("lynx source %s: its service thread did not stop within 5 s; its socket and NIXL agent "
-                           "are left to the process's exit", self.name)
+                           "are closed when it does", self.name)
+            threading.Thread(target=self._teardown, args=(True,), name=f"{self.name}-teardown", daemon=True).start()
             return
+        self._teardown()
+
+    def _teardown(self, after_thread: bool = False) -> None:
+        """Close the socket, NIXL agent and zmq context (``after_thread``: once the stuck service thread stops, in
+        a daemon thread: a context left open would hang its garbage collection in term())."""
+        if after_thread:
+            self._thread.join()
         # the goodbyes of the service thread's last pass leave within GOODBYE_LINGER_MS, or not at all
         self._sock.close(linger=GOODBYE_LINGER_MS if self._told_closing else 0)
         if self._told_closing:

@@ -424,8 +424,9 @@ def test_a_connect_that_zmq_still_refuses_fails_that_pull_only(pair, monkeypatch
 
 def test_close_leaves_a_stuck_service_thread_its_sockets(fabric: FakeFabric, caplog: pytest.LogCaptureFixture) -> None:
     """A sink whose service thread does not stop (here one scheduler step blocks, standing in for a NIXL call
-    that hangs) is not torn down under it: close() warns and leaves its sockets and NIXL agent to the process's
-    exit, as the source does (zmq sockets are not thread-safe; before, they were closed under the live thread)."""
+    that hangs) is not torn down under it: close() warns and returns; its sockets, NIXL agent and zmq context
+    are closed once the thread stops (zmq sockets are not thread-safe: before, they were closed under the live
+    thread; a context left open instead hangs whoever garbage-collects it, in term())."""
     import threading
 
     nixl = FakeNixlWrapper(fabric, "D")
@@ -448,5 +449,5 @@ def test_close_leaves_a_stuck_service_thread_its_sockets(fabric: FakeFabric, cap
         assert "did not stop within 5 s" in caplog.text
     finally:
         release.set()
-        sink._thread.join(5.0)
+    wait_for(lambda: nixl.closed and sink._ctx.closed)
     assert not sink._thread.is_alive()
