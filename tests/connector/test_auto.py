@@ -491,16 +491,16 @@ def test_p_checks_the_proxy_ticket_expiry_at_arrival_not_after_its_queue(monkeyp
     the expiry against the time vLLM added the request (on_new_request). One that came late is refused."""
     import time as _time
 
-    from lynx_connector import scheduler as sched_mod
+    from lynx_connector import prefill_admission as sched_mod
     from lynx_connector.concurrent import mint, prefill_params
 
     now = _time.time()
     proxy = ParamsSigner(load_side_channel_key(), 60, clock=lambda: now - 100)  # signed 100 s ago: expired 40 s ago
     s, mgr = make_p()
     waited, late = (p_req(rid, 64, proxy.sign(prefill_params(*mint(), "full"))) for rid in ("c1", "c2"))
-    monkeypatch.setattr(sched_mod.time, "time", lambda: now - 90)  # c1 came 10 s after it was signed
+    monkeypatch.setattr(sched_mod, "time", SimpleNamespace(time=lambda: now - 90))  # c1: 10 s after signing
     s.on_new_request(waited)
-    monkeypatch.setattr(sched_mod.time, "time", lambda: now - 30)  # c2 came 70 s after: 10 s too late
+    monkeypatch.setattr(sched_mod, "time", SimpleNamespace(time=lambda: now - 30))  # c2: 70 s, 10 s too late
     s.on_new_request(late)
     for r in (waited, late):
         mgr.blocks[r.request_id] = [0, 1]
