@@ -45,6 +45,7 @@ from lynx_connector.prefill_admission import PrefillAdmission
 from lynx_connector.prefix_cache import fence_lossy_blocks
 from lynx_connector.served_mode import ServedMode
 from lynx_connector.signing import (
+    EXPIRES_KEY,
     PROMPT_KEY,
     ParamsRefused,
     ParamsSigner,
@@ -181,6 +182,8 @@ class LynxConnectorScheduler(ServedMode, PrefillAdmission):
                                      "reason": exc.reason}
             self.stats.record_refusal(exc.reason)
             self._refusal_log.warn(req_id, exc)
+            if exc.reason == "expired":  # this deployment's params, only late: P frees its staging now, not at its lease
+                self._discard_unpulled(request, params, expired=True)
             return None
         self._verified[req_id] = remote
         return remote
@@ -253,12 +256,13 @@ class LynxConnectorScheduler(ServedMode, PrefillAdmission):
                 self.spec.start(request.request_id, remote.first_token)
             self._faults.on_pull(request.request_id, params)
 
-    def _discard_unpulled(self, request: Request, params: dict[str, Any]) -> None:
-        """D: a request that ended before its pull was set up (aborted while waiting, e.g. its client left):
-        an empty load tells the worker to free P's staging now instead of at P's lease. Only for params that verify:
-        a client's unsigned ones must not make D connect anywhere (P's lease frees what they might name)."""
+    def _discard_unpulled(self, request: Request, params: dict[str, Any], expired: bool = False) -> None:
+        """D: a request that ended before its pull was set up (aborted while waiting, e.g. its client left), or
+        whose params D refused as ``expired``: an empty load tells the worker to free P's staging now instead of at
+        P's lease. Only for params that verify (``expired``: as of their expiry): a client's unsigned ones must
+        not make D connect anywhere (P's lease frees what they might name)."""
         try:
-            self._signer.verify(params)
+            self._signer.verify(params, at=params.get(EXPIRES_KEY) if expired else None)
             remote = RemotePrefill.from_params(params, request.request_id)
         except (ParamsRefused, InvalidTransferParams):
             return

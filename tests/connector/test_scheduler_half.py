@@ -355,13 +355,15 @@ def test_decode_side_pulls_from_the_port_of_its_tensor_parallel_rank():
 
 
 # ---- issue 14.6: D trusts only its prefill instances -------------------------------------------------------------
-def _refused_locally(s, r, reason):
+def _refused_locally(s, r, reason, discard=False):
     """D refuses ``r``'s params: nothing is loaded (the prompt is computed locally), nothing is pulled, the
-    refusal is counted and reported in the request's response."""
+    refusal is counted and reported in the request's response. ``discard``: params of this deployment that only
+    expired: an empty load tells P to free its staging now (a Done), not at its lease."""
     assert s.get_num_new_matched_tokens(r, 0) == (0, False)
     s.update_state_after_alloc(r, FakeBlocks([]), 0)
     assert r.kv_transfer_params["do_remote_prefill"] is False
-    assert s.build_connector_meta(sched_out()).reqs_to_recv == []
+    recv = [(x.num_tokens, x.block_ids, x.transfer_id) for x in s.build_connector_meta(sched_out()).reqs_to_recv]
+    assert recv == ([(0, [], r.kv_transfer_params["lynx_transfer_id"])] if discard else []), recv
     r.status = RequestStatus.FINISHED_STOPPED
     hold, out = s.request_finished(r, [])
     assert hold is False and out["lynx_error"]["reason"] == reason, out
@@ -388,7 +390,7 @@ def test_decode_refuses_expired_params_and_modes_it_does_not_allow():
     params = remote_params(64)
     # D's clock 61 s after P signed them with a 60 s validity (remote_params)
     s._signer = ParamsSigner(load_side_channel_key(), 60, clock=lambda: params["lynx_expires"] + 1)
-    _refused_locally(s, req("d-exp", 64, params), "expired")
+    _refused_locally(s, req("d-exp", 64, params), "expired", discard=True)
     s, _ = make_sched()  # default allowed_modes: full, speculative, bf16
     _refused_locally(s, req("d-int4", 64, remote_params(64, lynx_mode="int4")), "mode_not_allowed")
     s, _ = make_sched(allowed_modes="full,int4")
