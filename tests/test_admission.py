@@ -130,3 +130,30 @@ def test_a_wait_given_what_is_left_of_the_queue_timeout_ends_then() -> None:
         assert s.inflight == {"a": 0} and s.stats().queued == 0 and s.rejected_timeout == 2
 
     asyncio.run(main())
+
+
+def test_the_proxy_gives_the_prefill_wait_what_the_decode_wait_left() -> None:
+    """lynx proxy's request handler (`_serve`): a request that waited 0.4 s for its decode slot may wait only the
+    rest of --queue-timeout (1 s) for its prefill slot."""
+    from types import SimpleNamespace
+
+    from lynx_connector import proxy
+    from lynx_connector.proxy_upstream import Call
+
+    given: list[float] = []
+
+    @contextlib.asynccontextmanager
+    async def decode_slot():  # noqa: ANN202
+        await asyncio.sleep(0.4)
+        yield "http://d"
+
+    async def prefill_acquire(timeout_s: float | None = None) -> str:
+        given.append(timeout_s)
+        raise Overloaded("no prefill slot")
+
+    state = SimpleNamespace(session=object(), config=SimpleNamespace(queue_timeout_s=1.0),
+                            decode_slots=SimpleNamespace(slot=decode_slot),
+                            prefill_slots=SimpleNamespace(acquire=prefill_acquire))
+    with pytest.raises(Overloaded):
+        asyncio.run(proxy._serve(state, Call("r1"), None, {}, False))
+    assert len(given) == 1 and 0.3 < given[0] <= 0.6, given

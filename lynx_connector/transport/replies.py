@@ -217,6 +217,10 @@ class ReplyHandlers:
         self._closed_addrs.pop(peer.addr, None)  # a P runs there again: Dones to it are owed as usual
         peer.auth_refusals = 0
         peer.session_id, peer.lease_s, peer.keepalive_at = msg.session_id, msg.lease_s, 0.0
+        if 0 < msg.lease_s < self.config.timeout_s:  # a pull waiting for D's staging does not renew it
+            self._log.warn("short_lease", "peer %s:%s leases staging for %gs, less than this D's "
+                           "timeout_s %gs: a request waiting that long for D's staging (sequential flow) finds it "
+                           "freed; raise P's lease_s", *peer.addr, msg.lease_s, self.config.timeout_s)
         self._security["handshakes"] += 1
         logger.info("lynx sink: handshake with %s:%s done (agent %s%s%s)", *peer.addr, peer.agent,
                     ", reconnected" if peer.reconnects else "",

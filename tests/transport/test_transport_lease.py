@@ -100,3 +100,19 @@ def test_lease_must_cover_draining_a_full_pool(gbps: float | None, lease_s: floa
     else:
         with pytest.raises(ValueError, match=r"lease_s \(60 s\) is shorter than the 134\.2 s a full staging pool"):
             TransportConfig(**kw)
+
+
+def test_d_warns_of_a_p_lease_shorter_than_its_timeout(fabric: FakeFabric, caplog: pytest.LogCaptureFixture) -> None:
+    """P's lease_s >= timeout_s is checked within one instance's config; D checks P's lease (HelloOk) against its
+    own timeout_s, which a request may wait for D's staging without renewing the lease (sequential flow)."""
+    src, sink = _pair(fabric)  # P's lease 0.6 s, D's timeout_s 5 s
+    try:
+        stage(src, "p1", 4096, 0)
+        loc = sink.pool.alloc_request("d1", 4096, 0)
+        sink.pull("d1", *src.address, *src.ticket("p1"), loc.anchor, None)
+        (ev,) = collect(sink, 1, timeout=15.0)
+        assert ev.ok, ev.error
+        assert "leases staging for 0.6s, less than this D's timeout_s 5s" in caplog.text
+    finally:
+        sink.close()
+        src.close()
