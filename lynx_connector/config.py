@@ -152,10 +152,11 @@ class LynxConfig:
     #: P's side-channel port (rank r of a TP group uses port + r); 0 picks a free port, told to D the same way.
     side_channel_port: int = 0
     #: P frees a request's staging when D has neither finished nor renewed it for this many seconds (D renews
-    #: every request it has started to pull, every quarter of P's lease; not one still waiting up to timeout_s
-    #: for D's own staging). null: 120, or 1.25x the time a full pool takes to drain at ``link_gbps``, or
-    #: timeout_s, whichever is longest. A lease set shorter than that drain time (staging_mb at link_gbps) or
-    #: than timeout_s is a start-up error.
+    #: every request it pulls or P has staged for it, every quarter of P's lease; not, in the sequential flow,
+    #: one still waiting up to timeout_s for D's own staging). null: 120, or 1.25x the time a full pool takes to
+    #: drain at ``link_gbps``, or timeout_s, whichever is longest. A lease set shorter than that drain time
+    #: (staging_mb at link_gbps) or than timeout_s is a start-up error (and D warns of a P whose lease is
+    #: shorter than its own timeout_s).
     lease_s: float | None = None
     #: D gives up on a silent or vanished P after this many seconds (then kv_load_failure_policy applies).
     timeout_s: float = 30.0
@@ -214,8 +215,9 @@ class LynxConfig:
     #: the transfers D completed within this many recent seconds (none yet: passthrough).
     auto_window_s: float = 30.0
     #: ``auto`` (P): whether its Ds can speculate (run the speculative scheduler); null = when P itself runs it
-    #: (the ``lynx:auto`` preset sets it on P and D alike). Set it true on a P without the scheduler whose Ds
-    #: run ``lynx:speculative`` or ``lynx:auto``.
+    #: (the ``lynx:auto`` preset sets it on P and D alike) or P is prefill-only (``kv_role`` ``kv_producer``:
+    #: no scheduler there, its Ds are taken to run the same preset). Set it true on another P without the
+    #: scheduler whose Ds run ``lynx:speculative`` or ``lynx:auto``, false when its Ds cannot speculate.
     auto_speculative: bool | None = None
 
     def __post_init__(self) -> None:

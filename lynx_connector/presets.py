@@ -21,7 +21,9 @@ Anything else (ordinary JSON, other connectors, unparsable text) is not a preset
 ``None`` and vLLM parses the value unchanged.
 
 Every preset uses ``kv_role="kv_both"``: one config serves P and D pods; the per-request role comes from
-``kv_transfer_params`` sent by the proxy (``do_remote_decode`` on P, ``do_remote_prefill`` on D).
+``kv_transfer_params`` sent by the proxy (``do_remote_decode`` on P, ``do_remote_prefill`` on D). A prefill pod of
+a speculative preset (``lynx:speculative``, ``lynx:auto``) should say ``"kv_role": "kv_producer"`` over it: it then
+runs vLLM's own scheduler (keeping its prefix cache and async scheduling) and still signs the preset's mode.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from lynx_connector.modes import DEFAULT_MODE, get_mode, preset_modes
 PRESET_PREFIX = "lynx"
 CONNECTOR_NAME = "LynxConnector"
 CONNECTOR_MODULE = "lynx_connector.connector"
+#: vLLM's kv_role of an instance that only prefills: no speculative scheduler (``speculative_defaults``).
+PREFILL_ONLY_ROLE = "kv_producer"
 
 #: Every transfer mode is a preset (the modes table decides; ``lynx:int4_kivi`` included).
 PRESET_MODES: tuple[str, ...] = preset_modes()
@@ -167,9 +171,12 @@ def speculative_defaults(kv_config: Any) -> dict[str, Any] | None:
 
     ``scheduler_cls``: the Lynx scheduler (holds anchor-phase tokens, rewinds and verifies);
     ``speculative_config``: a ``custom_class`` null proposer with ``num_speculative_tokens`` = the speculation
-    cap (``max_speculative_tokens``, so all held tokens are verified in one pass; at most 128)."""
+    cap (``max_speculative_tokens``, so all held tokens are verified in one pass; at most 128).
+
+    None too for a prefill-only instance (``kv_role`` ``kv_producer``): it decodes nothing, and the scheduler
+    would cost it its prefix cache and vLLM's async scheduling."""
     get = kv_config.get if isinstance(kv_config, dict) else (lambda k, d=None: getattr(kv_config, k, d))
-    if get("kv_connector") != CONNECTOR_NAME:
+    if get("kv_connector") != CONNECTOR_NAME or get("kv_role") == PREFILL_ONLY_ROLE:
         return None
     extra = get("kv_connector_extra_config") or {}
     if not isinstance(extra, dict):

@@ -43,6 +43,7 @@ from lynx_connector.metadata import (
 from lynx_connector.modes import AUTO_MODE, get_mode
 from lynx_connector.prefill_admission import PrefillAdmission
 from lynx_connector.prefix_cache import fence_lossy_blocks
+from lynx_connector.presets import PREFILL_ONLY_ROLE
 from lynx_connector.served_mode import ServedMode
 from lynx_connector.signing import (
     EXPIRES_KEY,
@@ -102,6 +103,8 @@ class LynxConnectorScheduler(ServedMode, PrefillAdmission):
         # anchor until every worker merged the residual (spec_book.py); pulls to cancel (preempted, or failed on
         # another worker).
         self.speculation_enabled = False
+        kv_cfg = getattr(vllm_config, "kv_transfer_config", None)
+        self._prefill_only = getattr(kv_cfg, "kv_role", None) == PREFILL_ONLY_ROLE  # no speculative scheduler here
         self.spec = SpecBook(getattr(getattr(vllm_config, "parallel_config", None), "world_size", 1) or 1)
         self._recv_cancelled: list[str] = []
         self._faults = fault_hooks(config)  # test-only (lynx_connector.testing)
@@ -206,7 +209,9 @@ class LynxConnectorScheduler(ServedMode, PrefillAdmission):
                 # own ticket is not another request's replay; a refusal is counted and logged once)
             mode = self._request_mode(request.request_id, params)
             if mode == AUTO_MODE:
-                spec = self.speculation_enabled if self.config.auto_speculative is None else self.config.auto_speculative
+                spec = self.config.auto_speculative
+                if spec is None:  # a prefill-only P runs no speculative scheduler: its Ds run the preset's
+                    spec = self.speculation_enabled or self._prefill_only
                 mode, self._auto_reason[request.request_id] = self._auto.choose(
                     request, self._kv_dtype, spec, fits=lambda m: self._fits(request.num_prompt_tokens, m))
             if mode is not None and not self._fits(request.num_prompt_tokens, mode):

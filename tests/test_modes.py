@@ -128,6 +128,8 @@ def test_config_and_presets_accept_every_mode(name):
     assert expanded is not None and f'"mode": "{name}"' in expanded
     assert preset_config(name)["kv_connector_extra_config"] == {"mode": name}
     assert (speculative_defaults(preset_config(name)) is not None) == get_mode(name).needs_spec_scheduler
+    # a prefill-only instance (kv_role kv_producer over the preset) decodes nothing: no speculative scheduler
+    assert speculative_defaults({**preset_config(name), "kv_role": "kv_producer"}) is None
 
 
 def test_config_and_presets_accept_only_the_table():

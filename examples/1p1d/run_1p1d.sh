@@ -81,9 +81,10 @@ wait_healthy() {  # wait_healthy NAME URL PID
   echo "[1p1d] $1 healthy at $2"
 }
 
-kv_config() {  # the preset plus where P's side channel binds (and what it advertises to D)
-  printf '{"kv_connector": "%s", "kv_load_failure_policy": "fail", "kv_connector_extra_config": {"side_channel_host": "%s", "side_channel_port": %s}}' \
-    "$MODE" "$P_HOST" "$1"
+kv_config() {  # kv_config ROLE PORT: the preset, the role (P only prefills: kv_producer, so a speculative preset
+  # installs no speculative scheduler there) and where P's side channel binds (and what it advertises to D)
+  printf '{"kv_connector": "%s", "kv_role": "%s", "kv_load_failure_policy": "fail", "kv_connector_extra_config": {"side_channel_host": "%s", "side_channel_port": %s}}' \
+    "$MODE" "$1" "$P_HOST" "$2"
 }
 
 serve() {  # serve NAME PORT CPUS KV_CONFIG: the launcher's environment and `lynx serve` arguments for it
@@ -107,9 +108,9 @@ if [[ -z "${LYNX_SIDE_CHANNEL_KEY:-}${LYNX_SIDE_CHANNEL_KEY_FILE:-}" ]]; then
   LYNX_SIDE_CHANNEL_KEY=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')
   export LYNX_SIDE_CHANNEL_KEY
 fi
-serve prefill "$P_PORT" "${P_CPUS:-}" "$(kv_config "$SIDE_PORT")"
+serve prefill "$P_PORT" "${P_CPUS:-}" "$(kv_config kv_producer "$SIDE_PORT")"
 P_PID=${PIDS[-1]}
-serve decode "$D_PORT" "${D_CPUS:-}" "$(kv_config 0)"
+serve decode "$D_PORT" "${D_CPUS:-}" "$(kv_config kv_both 0)"
 D_PID=${PIDS[-1]}
 wait_healthy prefill "http://127.0.0.1:$P_PORT" "$P_PID"
 wait_healthy decode "http://127.0.0.1:$D_PORT" "$D_PID"

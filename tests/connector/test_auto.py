@@ -160,10 +160,11 @@ def test_link_meter_adds_the_link_times_d_measured():
 
 
 # ---- the scheduler half -----------------------------------------------------------------------------------
-def make_p(**extra):
+def make_p(kv_role="kv_both", **extra):
     mc = SimpleNamespace(get_num_kv_heads=lambda pc: 3, get_head_size=lambda: 64, get_num_layers=lambda pc: 30,
                          dtype=torch.float32)
-    vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS), model_config=mc, parallel_config=None)
+    vcfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS), model_config=mc, parallel_config=None,
+                           kv_transfer_config=SimpleNamespace(kv_role=kv_role))
     s = LynxConnectorScheduler(vcfg, "engine-p", LynxConfig.from_extra_config({"mode": "auto", **extra}))
     mgr = FakeManager()
     s.bind_kv_cache_manager(mgr)
@@ -203,6 +204,16 @@ def test_p_chooses_per_request_signs_the_choice_and_counts_it():
                                                        ("speculative", "slow_link"),
                                                        ("full", "slow_link_no_speculation")]
     assert all(reason in AUTO_REASONS for _, reason in s.stats.data["auto"])
+
+
+def test_a_prefill_only_p_assumes_its_ds_speculate():
+    """kv_role kv_producer: the speculative preset installs no scheduler on P (speculation_enabled stays False),
+    and auto counts on its Ds running the preset's; auto_speculative still decides when set."""
+    s, mgr = make_p(kv_role="kv_producer", link_gbps=0.5)
+    assert s.speculation_enabled is False
+    assert serve_on_p(s, mgr, p_req("r1", 1024, {"do_remote_decode": True}))[0] == "speculative"
+    s, mgr = make_p(kv_role="kv_producer", link_gbps=0.5, auto_speculative=False)
+    assert serve_on_p(s, mgr, p_req("r2", 1024, {"do_remote_decode": True}))[0] == "full"
 
 
 def test_auto_speculative_overrides_p_own_scheduler():

@@ -304,6 +304,11 @@ def test_image_command_for_real(model: str, tmp_path: Path) -> None:
         _assert_d_pulled(d.url)
         for s in (p, d):
             _assert_lynx_memory_default(s.log_path.read_text(errors="replace"), servers=1)
+        # the speculative preset's scheduler runs on D only: P (kv_producer) keeps vLLM's scheduler and its
+        # prefix cache
+        p_log, d_log = (s.log_path.read_text(errors="replace") for s in (p, d))
+        assert "LynxSpecScheduler" in d_log and "LynxSpecScheduler" not in p_log
+        assert "custom_class" not in p_log and "disabling prefix caching" not in p_log
 
 
 def test_launcher_command_line_for_real(model: str, tmp_path: Path) -> None:

@@ -86,7 +86,9 @@ def test_lynx_wiring(path: Path) -> None:
         assert len(drain) == 1 and 0 < drain[0] < sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         raw = args[args.index("--kv-transfer-config") + 1]
         expanded = json.loads(expand_kv_transfer_config(raw))
-        assert expanded["kv_connector"] == "LynxConnector" and expanded["kv_role"] == "kv_both"
+        # P only prefills: kv_producer, so a speculative preset installs no speculative scheduler there
+        assert expanded["kv_connector"] == "LynxConnector"
+        assert expanded["kv_role"] == ("kv_producer" if role == "prefill" else "kv_both")
         assert expanded["kv_load_failure_policy"] == "fail"
         extra = expanded["kv_connector_extra_config"]
         assert extra["side_channel_host"] == "10.1.2.3" and extra["mode"] == cm["LYNX_MODE"].split(":")[1]
