@@ -58,7 +58,7 @@ from lynx_connector.concurrent import FLOWS
 from lynx_connector.limits import MAX_SECONDS
 from lynx_connector.logger import configure_process_logging, init_logger
 from lynx_connector.proxy_batch import prompt_list, serve_prompt_list
-from lynx_connector.proxy_flow import FlowBook, serve_pipelined
+from lynx_connector.proxy_flow import FlowBook, prompt_on_decode, serve_pipelined
 from lynx_connector.proxy_http import (
     MAX_JSON_DEPTH,
     REQUEST_ID_HEADER,
@@ -208,6 +208,10 @@ async def _serve(state: _State, call: Call, request: web.Request, body: dict[str
     queue_end = loop.time() + state.config.queue_timeout_s  # --queue-timeout bounds both waits together
     # D's slot first: decode capacity is what P's staged KV waits for, so P only prefills for a ready D
     async with state.decode_slots.slot() as d_url:
+        if prompt_on_decode(body, chat):  # prompt logprobs: D computes the prompt whatever P would send
+            state.flows.counts["decode_only"] += 1
+            return await decode(state.session, call, d_url, request,
+                                {k: v for k, v in body.items() if k != "kv_transfer_params"})
         call.phase = "waiting for a prefill slot"
         p_url = await state.prefill_slots.acquire(queue_end - loop.time())
         plan = state.flows.plan(p_url, body)

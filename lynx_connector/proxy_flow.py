@@ -46,7 +46,7 @@ from lynx_connector.trace import trace
 
 logger = init_logger(__name__)
 
-__all__ = ["FlowBook", "serve_pipelined"]
+__all__ = ["FlowBook", "prompt_on_decode", "serve_pipelined"]
 
 #: How long D's finished answer waits for P's verdict (P accepted or refused the request) before it goes out.
 VERDICT_WAIT_S = 30.0
@@ -59,7 +59,7 @@ class FlowBook:
     signer: Any | None  # lynx_connector.signing.ParamsSigner
     endpoints: dict[str, PrefillEndpoint] = field(default_factory=dict)
     default_mode: dict[str, str] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=lambda: {"pipelined": 0, "sequential": 0})
+    counts: dict[str, int] = field(default_factory=lambda: {"pipelined": 0, "sequential": 0, "decode_only": 0})
 
     def learn(self, p_url: str, body: dict[str, Any], params: dict[str, Any]) -> None:
         """From P's answer (either flow): P's side channel, and its default mode when the client named none."""
@@ -84,6 +84,15 @@ class FlowBook:
             return None
         self.counts["pipelined"] += 1
         return endpoint, mode
+
+
+def prompt_on_decode(body: dict[str, Any], chat: bool) -> bool:
+    """Whether D computes the prompt itself whatever P sends: vLLM skips external KV for a request that asks for
+    prompt logprobs (``prompt_logprobs``, or ``echo`` with ``logprobs`` / chat's ``top_logprobs``: its
+    ``skip_reading_prefix_cache``). The proxy then asks D alone, sparing P a prefill and staging nobody reads."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    return bool(body.get("echo")) and body.get("top_logprobs" if chat else "logprobs") is not None
 
 
 def client_mode(body: dict[str, Any]) -> str | None:

@@ -102,7 +102,8 @@ class ReceiveHalf:
         for req_id in meta.recv_aborted:
             rec = self._recvs.get(req_id)
             if rec is not None:
-                self._finish_recv(rec, error="aborted by the client", outcome="aborted")
+                self._finish_recv(rec, error="the request ended (finished or aborted) while its KV was in flight",
+                                  outcome="aborted")
             elif (waiting := self._recv_waiting.pop(req_id, None)) is not None:
                 self._finished_recving.add(req_id)  # never pulled: vLLM frees its blocks now
                 self._discard(waiting[0])

@@ -72,7 +72,7 @@ def test_p_and_d_get_the_request_at_once_with_one_signed_ticket(monkeypatch) -> 
                 assert resp.status == 200 and (await resp.json())["choices"][0]["text"] == "Hello!"
         async with session.get(url + "/lynx/stats") as resp:
             stats = await resp.json()
-        assert stats["flows"] == {"pipelined": 1, "sequential": 1} and stats["pipelined_on"]
+        assert stats["flows"] == {"pipelined": 1, "sequential": 1, "decode_only": 0} and stats["pipelined_on"]
 
     run_scenario([p], [d], scenario, flow="pipelined")
     # the first request taught the proxy P's side channel (sequential: D got P's own params)
@@ -314,3 +314,29 @@ def test_a_p_silent_after_d_answered_is_cancelled(monkeypatch) -> None:
         assert p.cancelled == 1 and sum(stats["prefill"]["inflight"].values()) == 0, stats
 
     run_scenario([p], [d], scenario, flow="pipelined")
+
+
+@pytest.mark.parametrize("flow", ["pipelined", "sequential"])
+def test_a_request_for_prompt_logprobs_goes_to_d_alone(monkeypatch, flow) -> None:
+    """vLLM computes the prompt on D for a request that asks for prompt logprobs (it skips external KV then):
+    the proxy sends it to D alone, without kv_transfer_params, sparing P a prefill and staging nobody reads
+    (review: lm-eval's loglikelihood requests are echo + logprobs)."""
+    _with_key(monkeypatch)
+    p, d = TimedFake("prefill"), TimedFake("decode")
+    local = [({**BODY, "prompt_logprobs": 1}, "/v1/completions"),
+             ({**BODY, "echo": True, "logprobs": 0, "max_tokens": 1}, "/v1/completions"),
+             ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "echo": True, "logprobs": True,
+               "top_logprobs": 2}, "/v1/chat/completions")]
+
+    async def scenario(session, url):
+        for body, path in [(BODY, "/v1/completions")] + local + [({**BODY, "echo": True}, "/v1/completions")]:
+            async with session.post(url + path, json={**body, "kv_transfer_params": {"lynx_mode": "full"}}) as resp:
+                assert resp.status == 200, await resp.text()
+        async with session.get(url + "/lynx/stats") as resp:
+            stats = await resp.json()
+        assert stats["flows"]["decode_only"] == 3, stats
+
+    run_scenario([p], [d], scenario, flow=flow)
+    assert len(p.received) == 2 and len(d.received) == 5  # the first and the last (echo without logprobs) via P
+    alone = d.received[1:4]
+    assert all("kv_transfer_params" not in b for b in alone), alone
