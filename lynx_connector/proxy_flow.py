@@ -88,11 +88,13 @@ class FlowBook:
 
 def prompt_on_decode(body: dict[str, Any], chat: bool) -> bool:
     """Whether D computes the prompt itself whatever P sends: vLLM skips external KV for a request that asks for
-    prompt logprobs (``prompt_logprobs``, or ``echo`` with ``logprobs`` / chat's ``top_logprobs``: its
-    ``skip_reading_prefix_cache``). The proxy then asks D alone, sparing P a prefill and staging nobody reads."""
+    prompt logprobs (its ``skip_reading_prefix_cache``): ``prompt_logprobs``, a completion's ``echo`` with
+    ``logprobs``, a chat's ``echo`` (whose ``top_logprobs`` defaults to 0, so echo alone asks for them). The
+    proxy then asks D alone, sparing P a prefill and staging nobody reads."""
     if body.get("prompt_logprobs") is not None:
         return True
-    return bool(body.get("echo")) and body.get("top_logprobs" if chat else "logprobs") is not None
+    echo_logprobs = body.get("top_logprobs", 0) if chat else body.get("logprobs")
+    return bool(body.get("echo")) and echo_logprobs is not None
 
 
 def client_mode(body: dict[str, Any]) -> str | None:

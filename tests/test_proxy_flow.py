@@ -326,7 +326,9 @@ def test_a_request_for_prompt_logprobs_goes_to_d_alone(monkeypatch, flow) -> Non
     local = [({**BODY, "prompt_logprobs": 1}, "/v1/completions"),
              ({**BODY, "echo": True, "logprobs": 0, "max_tokens": 1}, "/v1/completions"),
              ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "echo": True, "logprobs": True,
-               "top_logprobs": 2}, "/v1/chat/completions")]
+               "top_logprobs": 2}, "/v1/chat/completions"),
+             ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "echo": True},  # top_logprobs: 0
+              "/v1/chat/completions")]
 
     async def scenario(session, url):
         for body, path in [(BODY, "/v1/completions")] + local + [({**BODY, "echo": True}, "/v1/completions")]:
@@ -334,9 +336,9 @@ def test_a_request_for_prompt_logprobs_goes_to_d_alone(monkeypatch, flow) -> Non
                 assert resp.status == 200, await resp.text()
         async with session.get(url + "/lynx/stats") as resp:
             stats = await resp.json()
-        assert stats["flows"]["decode_only"] == 3, stats
+        assert stats["flows"]["decode_only"] == 4, stats
 
     run_scenario([p], [d], scenario, flow=flow)
-    assert len(p.received) == 2 and len(d.received) == 5  # the first and the last (echo without logprobs) via P
-    alone = d.received[1:4]
+    assert len(p.received) == 2 and len(d.received) == 6  # the first and the last (echo without logprobs) via P
+    alone = d.received[1:5]
     assert all("kv_transfer_params" not in b for b in alone), alone
