@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lynx_connector.config import LynxConfig
 from lynx_connector.logger import init_logger
@@ -41,6 +42,10 @@ logger = init_logger(__name__)
 
 
 class LynxConnector(KVConnectorBase_V1):
+    #: D's pulled prompt tokens count under ``source="p2p"`` in vLLM's vllm:prompt_tokens_cached_by_source (as
+    #: NixlConnector's do), not "external_unspecified"
+    _cache_hit_source = CacheHitSource.P2P
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()

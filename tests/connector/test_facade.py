@@ -32,3 +32,13 @@ def test_on_new_request_reaches_the_scheduler_half() -> None:
     request = SimpleNamespace(request_id="r1")
     facade.on_new_request(request)
     assert seen == [request]
+
+
+def test_pulled_tokens_count_as_p2p_cache_hits() -> None:
+    """vLLM's vllm:prompt_tokens_cached_by_source labels a connector's tokens by its _cache_hit_source (the
+    base class's default is external_unspecified; NixlConnector's is p2p, as Lynx's now)."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    facade = LynxConnector.__new__(LynxConnector)
+    assert facade.get_external_cache_hit_sources(SimpleNamespace(request_id="r1"), 96) == {CacheHitSource.P2P: 96}
+    assert facade.get_external_cache_hit_sources(SimpleNamespace(request_id="r1"), 0) == {}
