@@ -12,7 +12,7 @@ from typing import Any
 from lynx_connector.logger import init_logger
 from lynx_connector.transport.link import Addr, DoneCourier, PeerLink, PullState
 
-__all__ = ["CLOSE_LINGER_MS", "CLOSE_TIMEOUT_S", "SinkClosing"]
+__all__ = ["CLOSE_LINGER_MS", "CLOSE_TIMEOUT_S", "SinkClosing", "stop_service_thread"]
 
 logger = init_logger(__name__)
 
@@ -20,6 +20,24 @@ logger = init_logger(__name__)
 CLOSE_TIMEOUT_S = 1.0
 #: How long the peers' sockets may still send at close (the last Dones), milliseconds.
 CLOSE_LINGER_MS = 200
+
+
+def stop_service_thread(thread: threading.Thread, teardown: Callable[[], None], what: str) -> None:
+    """Join a source's or sink's service thread (told to stop) for 5 s, then ``teardown`` (its sockets, NIXL agent
+    and zmq context). A stuck thread's resources are not closed under it (zmq sockets are not thread-safe) but by a
+    daemon thread once it stops: a context left open would hang whoever garbage-collects it, in term()."""
+    thread.join(timeout=5.0)
+    if not thread.is_alive():
+        teardown()
+        return
+    logger.warning("%s: its service thread did not stop within 5 s; its sockets and NIXL agent are closed when it "
+                   "does", what)
+
+    def after() -> None:
+        thread.join()
+        teardown()
+
+    threading.Thread(target=after, name=f"{thread.name}-teardown", daemon=True).start()
 
 
 class SinkClosing:
@@ -55,19 +73,10 @@ class SinkClosing:
         self._closed.wait(timeout_s)
         self._stop = True
         self._waker.wake()
-        self._thread.join(timeout=5.0)
-        if self._thread.is_alive():  # stuck: its sockets and NIXL agent are not ours to close (not thread-safe)
-            logger.warning("lynx sink %s: its service thread did not stop within 5 s; its sockets and NIXL agent "
-                           "are closed when it does", self.name)
-            threading.Thread(target=self._teardown, args=(True,), name=f"{self.name}-teardown", daemon=True).start()
-            return
-        self._teardown()
+        stop_service_thread(self._thread, self._teardown, f"lynx sink {self.name}")
 
-    def _teardown(self, after_thread: bool = False) -> None:
-        """Close the sockets, NIXL agent and zmq context (the service thread has stopped; ``after_thread``: wait
-        for it first, in a daemon thread: a context left open would hang its garbage collection in term())."""
-        if after_thread:
-            self._thread.join()
+    def _teardown(self) -> None:
+        """Close the sockets, NIXL agent and zmq context (the service thread has stopped)."""
         self._sched.close()
         for peer in self._peers.values():
             self._drop_peer_resources(peer, linger_ms=CLOSE_LINGER_MS)

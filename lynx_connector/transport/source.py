@@ -37,6 +37,7 @@ import zmq
 from lynx_connector.logger import init_logger
 from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.answers import SourceAnswers
+from lynx_connector.transport.closing import stop_service_thread
 from lynx_connector.transport.config import TransportConfig
 from lynx_connector.transport.handshake import PendingHandshakes, RateLimitedLog, Session, SideChannelServer
 from lynx_connector.transport.nixl_wrapper import NixlLike, NixlWrapper
@@ -365,19 +366,10 @@ class TransferSource(SourceAnswers, SideChannelServer):
             return
         self._stop = True
         self._waker.wake()
-        self._thread.join(timeout=5.0)
-        if self._thread.is_alive():  # stuck: its socket is not ours to close (zmq sockets are not thread-safe)
-            logger.warning("lynx source %s: its service thread did not stop within 5 s; its socket and NIXL agent "
-                           "are closed when it does", self.name)
-            threading.Thread(target=self._teardown, args=(True,), name=f"{self.name}-teardown", daemon=True).start()
-            return
-        self._teardown()
+        stop_service_thread(self._thread, self._teardown, f"lynx source {self.name}")
 
-    def _teardown(self, after_thread: bool = False) -> None:
-        """Close the socket, NIXL agent and zmq context (``after_thread``: once the stuck service thread stops, in
-        a daemon thread: a context left open would hang its garbage collection in term())."""
-        if after_thread:
-            self._thread.join()
+    def _teardown(self) -> None:
+        """Close the socket, NIXL agent and zmq context (the service thread has stopped)."""
         # the goodbyes of the service thread's last pass leave within GOODBYE_LINGER_MS, or not at all
         self._sock.close(linger=GOODBYE_LINGER_MS if self._told_closing else 0)
         if self._told_closing:
