@@ -101,6 +101,9 @@ class LynxConnectorMetadata(KVConnectorMetadata):
     reqs_to_recv: list[RecvSpec] = field(default_factory=list)
     #: P: requests that finished without reaching D (aborted): drop their staging now.
     save_aborted: list[str] = field(default_factory=list)
+    #: P: requests preempted in this step after their save was asked for (a P request that goes on decoding):
+    #: one still waiting for staging room is given up (its blocks were freed, another request may write them).
+    save_preempted: list[str] = field(default_factory=list)
     #: D: requests aborted while their KV was in flight: cancel the pulls, free staging on both sides.
     recv_aborted: list[str] = field(default_factory=list)
     #: D: requests preempted while their residual is still pending (speculative mode): drop their pulls silently,

@@ -60,6 +60,14 @@ class SaveQueue:
         """A request staged (or given up) outside the queue: in the forward, layer by layer (worker.save_layer)."""
         self._resolved.add(req_id)
 
+    def drop_waiting(self, req_id: str) -> SaveSpec | None:
+        """Take a request out of the queue without staging it (None when it is not waiting); the caller tells D."""
+        entry = self._waiting.pop(req_id, None)
+        if entry is None:
+            return None
+        self._resolved.add(req_id)
+        return entry[0]
+
     def abort(self, req_id: str) -> None:
         self._waiting.pop(req_id, None)
         self._source.abort(req_id)

@@ -300,6 +300,8 @@ class LynxConnectorScheduler(ServedMode, PrefillAdmission):
         )
         self._recv_pending, self._save_aborted, self._recv_aborted, self._recv_cancelled = [], [], [], []
         self._first_tokens_due = {}
+        # P: a request preempted after its save was asked for (it decodes on P: max_tokens > 1) lost its blocks
+        meta.save_preempted = [r for r in (getattr(scheduler_output, "preempted_req_ids", None) or ()) if r in self._saved]
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self._save_tracked.get(req_id)
             if req is None or req_id in self._saved:

@@ -255,8 +255,7 @@ class LynxConnectorWorker(ReceiveHalf):
             return
         assert self.saves is not None
         if meta is not self._layerwise_meta:  # no layer was saved in this step's forward (or layerwise is off)
-            for req_id in meta.save_aborted:
-                self.saves.abort(req_id)
+            self._drop_saves(meta)
         self.saves.retry()  # room freed since the last step goes to the requests already waiting, in order
         for spec in meta.reqs_to_save:
             if spec.req_id in self._layerwise or spec.req_id in self._layerwise_failed:
@@ -383,12 +382,25 @@ class LynxConnectorWorker(ReceiveHalf):
                 self._layerwise_failed.add(job.req_id)
                 self.source.abort(job.req_id)
 
+    def _drop_saves(self, meta: LynxConnectorMetadata) -> None:
+        """Aborted requests' staging goes; a preempted request still waiting for staging room is given up (its
+        blocks were freed in this step: staging them later could copy another request's KV), D told why."""
+        assert self.saves is not None and self.source is not None
+        for req_id in meta.save_aborted:
+            self.saves.abort(req_id)
+        for req_id in meta.save_preempted:
+            if self.saves.drop_waiting(req_id) is not None:
+                logger.warning("LynxConnector: request %s preempted on the prefill instance while it waited for "
+                               "staging room: not sent (its KV blocks were freed)", req_id)
+                self.source.reject(req_id, "preempted", "the prefill instance preempted the request while it waited "
+                                                        "for staging room; its KV was not sent")
+                self.stats.record_failure("stage")
+
     def _begin_layerwise(self, meta: LynxConnectorMetadata) -> None:
         """Stage this step's requests before its first layer is saved, while nothing waits for staging room
         (a request that waits keeps its place in the queue: it is staged after the forward)."""
         assert self.saves is not None
-        for req_id in meta.save_aborted:
-            self.saves.abort(req_id)
+        self._drop_saves(meta)
         for spec in meta.reqs_to_save:
             if self.saves.waiting or spec.req_id in self._layerwise:
                 break

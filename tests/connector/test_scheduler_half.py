@@ -85,6 +85,21 @@ def test_prefill_side_encodes_when_prompt_completes_and_returns_params():
     assert len(rp.token) == 32 and rp.token != rp.transfer_id
 
 
+def test_prefill_side_names_requests_preempted_after_their_save():
+    """vLLM's preempted_req_ids: a P request preempted after the step that asked for its save is named to the
+    workers (save_preempted: one still waiting for staging room is given up); one preempted before its prompt
+    completed is not (it is saved when it completes again)."""
+    s, mgr = make_sched()
+    done, early = req("p-1", 70, {"do_remote_decode": True}), req("p-2", 70, {"do_remote_decode": True})
+    for r in (done, early):
+        mgr.blocks[r.request_id] = [7, 3, 9]
+        s.update_state_after_alloc(r, FakeBlocks([7, 3, 9]), 0)
+    assert [x.req_id for x in s.build_connector_meta(sched_out(**{"p-1": 70, "p-2": 30})).reqs_to_save] == ["p-1"]
+    out = SimpleNamespace(num_scheduled_tokens={}, preempted_req_ids={"p-1", "p-2"})
+    assert s.build_connector_meta(out).save_preempted == ["p-1"]
+    assert s.build_connector_meta(sched_out()).save_preempted == []
+
+
 def test_prefill_side_refuses_a_request_whose_params_d_could_not_carry():
     """A request id over 1024 characters (vLLM takes X-Request-Id unbounded) cannot go into signed params: the
     request gets a 400 lynx_error and its staging is dropped, instead of ParamsRefused out of the engine step."""

@@ -424,6 +424,30 @@ def test_a_request_d_gives_up_on_while_p_allocates_is_not_staged(pair, monkeypat
     assert p.source.pool.regions_live == 0 and p.stats.data["failed_stage"] == 0
 
 
+def test_a_request_preempted_on_p_while_its_save_waits_is_not_sent(pair):
+    """A P request that goes on decoding (max_tokens > 1) and is preempted while its save waits for staging room
+    lost its blocks (another request may write them): P gives the save up and D's pull fails with P's reason,
+    instead of P staging whatever the blocks hold later. One already staged is not touched."""
+    make, _ = pair
+    (p, _), (d, _) = make("kv_producer"), make("kv_consumer")
+    publish(p, "full", req="p0")  # staged at once
+    p.source.alloc("filler", p.source.pool.free_bytes - 4096, 0)
+    publish(p, "full")
+    assert p.saves.waiting == 1
+    to_d = recv_spec(p, "full")  # P's params for p1 (its ticket, expected while it waits)
+    p.save(LynxConnectorMetadata(save_preempted=["p1", "p0"]))
+    assert p.saves.waiting == 0 and p.finished_sending({"p1"}) == {"p1"} and p.stats.data["failed_stage"] == 1
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[to_d]))
+    errors = load_errors(d)
+    failed: set[str] = set()
+    poll_until([p, d], lambda: failed.update(d.take_results()[1]) or "d1" in failed)
+    assert "preempted" in errors["d1"], errors
+    d.start_load(LynxConnectorMetadata(reqs_to_recv=[recv_spec(p, "full", req="d0", remote="p0")]))
+    done: set[str] = set()
+    poll_until([p, d], lambda: done.update(d.take_results()[0]) or "d0" in done)
+    assert errors.get("d0") is None
+
+
 def test_staging_that_never_frees_fails_with_a_clear_error(pair):
     """P gives up after timeout_s / 2 (D hears staging_full at once); D gives up after timeout_s."""
     make, _ = pair
