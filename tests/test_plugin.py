@@ -234,3 +234,19 @@ def test_hook_missing_hook_point_only_warns(monkeypatch: pytest.MonkeyPatch,
         plugin.logger.removeHandler(caplog.handler)
     assert "presets disabled" in caplog.text
     assert plugin.patch_parser(argparse.ArgumentParser()) is False
+
+
+def test_a_prefill_only_pod_of_a_speculative_preset_gets_no_speculative_scheduler(
+        serve_parser: argparse.ArgumentParser) -> None:
+    """`lynx serve MODEL --kv-transfer-config lynx:speculative` installs the Lynx scheduler and null proposer; with
+    `--kv-transfer-config.kv_role kv_producer` (a prefill pod: README) it does not, so P keeps vLLM's scheduler,
+    its prefix cache and async scheduling, and still runs the preset's mode."""
+    def parse(*argv: str) -> argparse.Namespace:
+        return serve_parser.parse_args([MODEL_DIR, "--model", MODEL_DIR, *argv])
+
+    d = parse("--kv-transfer-config", "lynx:speculative")
+    assert d.scheduler_cls and d.scheduler_cls.endswith("LynxSpecScheduler") and d.speculative_config
+    p = parse("--kv-transfer-config", "lynx:speculative", "--kv-transfer-config.kv_role", "kv_producer")
+    assert p.scheduler_cls is None and p.speculative_config is None
+    kv = _kv(serve_parser, "--kv-transfer-config", "lynx:speculative", "--kv-transfer-config.kv_role", "kv_producer")
+    assert kv.kv_role == "kv_producer" and kv.kv_connector_extra_config == {"mode": "speculative"}
