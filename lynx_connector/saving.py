@@ -60,13 +60,13 @@ class SaveQueue:
         """A request staged (or given up) outside the queue: in the forward, layer by layer (worker.save_layer)."""
         self._resolved.add(req_id)
 
-    def drop_waiting(self, req_id: str) -> SaveSpec | None:
-        """Take a request out of the queue without staging it (None when it is not waiting); the caller tells D."""
-        entry = self._waiting.pop(req_id, None)
-        if entry is None:
-            return None
-        self._resolved.add(req_id)
-        return entry[0]
+    def reject_waiting(self, req_id: str, code: str, message: str) -> bool:
+        """Give up a request still waiting for room, as a wait that timed out is (D hears ``code``); False when it
+        is not waiting (staged already, or never queued)."""
+        if self._waiting.pop(req_id, None) is None:
+            return False
+        self._reject(req_id, code, message)
+        return True
 
     def abort(self, req_id: str) -> None:
         self._waiting.pop(req_id, None)
@@ -98,14 +98,18 @@ class SaveQueue:
                 break
             del self._waiting[req_id]
             stats = self._source.stats()
-            msg = (f"P's staging pool (staging_mb={self._source.pool.nbytes >> 20}) had no room for request "
-                   f"{req_id} ({spec.num_tokens} tokens) within {self._wait_s:.1f}s "
-                   f"({stats['requests_live']} requests staged): raise staging_mb or limit the requests in "
-                   f"flight (lynx proxy --max-inflight)")
-            logger.error("LynxConnector: %s", msg)
-            self._source.reject(req_id, "staging_full", msg)
-            self._on_reject("stage")
-            self._resolved.add(req_id)
+            self._reject(req_id, "staging_full",
+                         f"P's staging pool (staging_mb={self._source.pool.nbytes >> 20}) had no room for request "
+                         f"{req_id} ({spec.num_tokens} tokens) within {self._wait_s:.1f}s "
+                         f"({stats['requests_live']} requests staged): raise staging_mb or limit the requests in "
+                         f"flight (lynx proxy --max-inflight)")
+
+    def _reject(self, req_id: str, code: str, message: str) -> None:
+        """A request taken out of the queue unstaged: logged, D told why, counted, its blocks released."""
+        logger.error("LynxConnector: %s", message)
+        self._source.reject(req_id, code, message)
+        self._on_reject("stage")
+        self._resolved.add(req_id)
 
     def finished_sending(self, finished_req_ids: Iterable[str]) -> set[str]:
         """The requests whose blocks P may free now: resolved here and finished in vLLM."""

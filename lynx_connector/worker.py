@@ -385,16 +385,12 @@ class LynxConnectorWorker(ReceiveHalf):
     def _drop_saves(self, meta: LynxConnectorMetadata) -> None:
         """Aborted requests' staging goes; a preempted request still waiting for staging room is given up (its
         blocks were freed in this step: staging them later could copy another request's KV), D told why."""
-        assert self.saves is not None and self.source is not None
+        assert self.saves is not None
         for req_id in meta.save_aborted:
             self.saves.abort(req_id)
         for req_id in meta.save_preempted:
-            if self.saves.drop_waiting(req_id) is not None:
-                logger.warning("LynxConnector: request %s preempted on the prefill instance while it waited for "
-                               "staging room: not sent (its KV blocks were freed)", req_id)
-                self.source.reject(req_id, "preempted", "the prefill instance preempted the request while it waited "
-                                                        "for staging room; its KV was not sent")
-                self.stats.record_failure("stage")
+            self.saves.reject_waiting(req_id, "preempted", f"request {req_id} was preempted on the prefill instance "
+                                      "while it waited for staging room: its KV blocks were freed, it is not sent")
 
     def _begin_layerwise(self, meta: LynxConnectorMetadata) -> None:
         """Stage this step's requests before its first layer is saved, while nothing waits for staging room
