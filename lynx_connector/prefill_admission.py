@@ -18,7 +18,12 @@ from lynx_connector.stats import LynxStats
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-__all__ = ["PrefillAdmission"]
+__all__ = ["PrefillAdmission", "bad_request"]
+
+
+def bad_request(message: str, param: str) -> dict[str, Any]:
+    """A P request's 400-style ``lynx_error`` (vLLM's error shape): it is not staged, the proxy answers with it."""
+    return {"message": message, "type": "BadRequestError", "param": param, "code": 400}
 
 
 class PrefillAdmission:
@@ -50,8 +55,7 @@ class PrefillAdmission:
                        f"{', '.join(self.config.allowed_modes)})")
         else:
             return mode
-        self._refused[req_id] = {"message": message, "type": "BadRequestError",
-                                 "param": "kv_transfer_params.lynx_mode", "code": 400}
+        self._refused[req_id] = bad_request(message, "kv_transfer_params.lynx_mode")
         self.stats.record_refusal("mode_not_allowed")
         self._refusal_log.warn(req_id, ParamsRefused("mode_not_allowed", message), what="lynx_mode",
                                outcome="not staged, its response carries the error")
@@ -69,8 +73,7 @@ class PrefillAdmission:
                    f"{' (auto: no allowed mode fits it)' if auto else ''}: "
                    f"at most {limit} tokens with staging_mb={self.config.staging_mb}; raise staging_mb on the "
                    "prefill instances, or ask for a mode with fewer bytes per token")
-        self._refused[request.request_id] = {"message": message, "type": "BadRequestError", "param": "prompt",
-                                             "code": 400}
+        self._refused[request.request_id] = bad_request(message, "prompt")
         self.stats.record_failure("too_large")
         self._refusal_log.note(request.request_id, "too_large", message, what="request",
                                outcome="not staged, its response carries the error")
@@ -99,9 +102,8 @@ class PrefillAdmission:
                 raise ParamsRefused("replayed", "lynx_transfer_id is another request's: concurrent-flow params "
                                                 "serve one request (the proxy sends n > 1 the sequential way)")
         except ParamsRefused as exc:
-            message = f"concurrent-flow params refused ({exc.reason}): {exc}"
-            self._refused[req_id] = {"message": message, "type": "BadRequestError",
-                                     "param": "kv_transfer_params", "code": 400}
+            self._refused[req_id] = bad_request(f"concurrent-flow params refused ({exc.reason}): {exc}",
+                                                "kv_transfer_params")
             self.stats.record_refusal(exc.reason)
             self._refusal_log.warn(req_id, exc, what="concurrent-flow params", outcome="not staged, its response "
                                                                                        "carries the error")

@@ -41,7 +41,7 @@ from lynx_connector.metadata import (
     mint_ticket,
 )
 from lynx_connector.modes import AUTO_MODE, get_mode
-from lynx_connector.prefill_admission import PrefillAdmission
+from lynx_connector.prefill_admission import PrefillAdmission, bad_request
 from lynx_connector.prefix_cache import fence_lossy_blocks
 from lynx_connector.presets import PREFILL_ONLY_ROLE
 from lynx_connector.served_mode import ServedMode
@@ -416,8 +416,7 @@ class LynxConnectorScheduler(ServedMode, PrefillAdmission):
             # characters, more than MAX_CHILDREN children)
             logger.error("LynxConnector: request %s cannot be served remotely: %s", req_id, exc)
             self._save_aborted.append(req_id)
-            return True, {"lynx_error": {"message": f"remote-prefill params not produced: {exc}",
-                                         "type": "BadRequestError", "param": "kv_transfer_params", "code": 400}}
+            return True, {"lynx_error": bad_request(f"remote-prefill params not produced: {exc}", "kv_transfer_params")}
 
 
 def _pulled(request: Request) -> None:
