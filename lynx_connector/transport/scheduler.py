@@ -165,6 +165,10 @@ class TransferScheduler:
             return True
         return False
 
+    def mark_torn(self, req_id: str) -> None:
+        """Whether its reads ended is unknown (an abort the service thread never acknowledged): treat as torn."""
+        self._torn.add(req_id)
+
     def cancel(self, req_id: str) -> None:
         """Drop a request's streams without events (abort); in-flight chunks are released."""
         self._drop(req_id, error=None)

@@ -230,8 +230,10 @@ class TransferSink(ReplyHandlers, ControlTimers, FirstTokenFollower, WatchedPull
         in flight released: their bytes may still land, see `free_staging`)."""
         done = threading.Event()
         self._cmd(("abort", req_id, done))
-        if not done.wait(self.config.timeout_s + 1.0):
-            logger.warning("abort(%s) not acknowledged by the sink thread", req_id)
+        if not done.wait(self.config.timeout_s + 1.0):  # reads may be in flight: free_staging quarantines them
+            logger.warning("abort(%s) not acknowledged by the sink thread; its staging is held for lease_grace_s "
+                           "once freed", req_id)
+            self._sched.mark_torn(req_id)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -451,3 +451,41 @@ def test_close_leaves_a_stuck_service_thread_its_sockets(fabric: FakeFabric, cap
         release.set()
     wait_for(lambda: nixl.closed and sink._ctx.closed)
     assert not sink._thread.is_alive()
+
+
+def test_an_abort_the_stuck_service_thread_never_acknowledged_quarantines_the_staging(
+        fabric: FakeFabric, caplog: pytest.LogCaptureFixture) -> None:
+    """``abort`` gives up waiting for a service thread that does not answer (a NIXL call that hangs): it cannot
+    know whether the request's reads were still in flight, so ``free_staging`` keeps its regions out of reuse for
+    ``lease_grace_s`` as for a torn pull (before: they went back to the free list at once, where a late read could
+    land in the next request's staging)."""
+    import threading
+
+    nixl = FakeNixlWrapper(fabric, "D")
+    sink = TransferSink(TransportConfig(pool_bytes=1 << 20, key=TEST_KEY, timeout_s=0.2), COMPAT, nixl=nixl)
+    entered, release = threading.Event(), threading.Event()
+    real_step = sink._sched.step
+
+    def blocking_step():  # noqa: ANN202
+        if not entered.is_set():
+            entered.set()
+            release.wait(30.0)
+        return real_step()
+
+    try:
+        sink.pool.alloc_request("d1", 4096, 0)
+        sink.pool.alloc_request("d2", 4096, 0)
+        sink._sched.step = blocking_step
+        sink._waker.wake()
+        assert entered.wait(5.0)
+        sink.abort("d1")
+        assert "abort(d1) not acknowledged" in caplog.text
+        sink.free_staging("d1")
+        assert sink.pool.quarantined_bytes > 0
+        sink.free_staging("d2")  # never aborted: nothing in flight, reusable at once
+        held = sink.pool.quarantined_bytes
+        sink.free_staging("d1")  # once: a second free changes nothing
+        assert sink.pool.quarantined_bytes == held
+    finally:
+        release.set()
+        sink.close()
