@@ -26,8 +26,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CONCURRENT", "FLOW_KEY", "FLOWS", "LYNX_PARAMS_VERSION", "PrefillEndpoint", "decode_params", "mint",
-           "prefill_params"]
+__all__ = ["CONCURRENT", "FLOW_KEY", "FLOWS", "LYNX_PARAMS_VERSION", "TICKET_REASON_KEY", "PrefillEndpoint",
+           "decode_params", "mint", "prefill_params"]
 
 #: Version of the kv_transfer_params / side-channel contract; D refuses a P that speaks another one.
 LYNX_PARAMS_VERSION = 2
@@ -36,6 +36,10 @@ CONCURRENT = "concurrent"
 #: The proxy's flows: "sequential" (P answers, then D is asked: what vLLM's router and NixlConnector speak) and
 #: "pipelined" (concurrent dispatch to P and D, layer-wise publish on P).
 FLOWS: tuple[str, ...] = ("sequential", "pipelined")
+#: In P's ``lynx_error`` for a refused concurrent-flow ticket: why (signing.REFUSAL_REASONS). The proxy minted and
+#: signed that ticket, so the refusal is its own fault (a clock behind P's by over --params-ttl, another key), not
+#: the client's: it sends the request the sequential way instead (proxy_flow.py).
+TICKET_REASON_KEY = "lynx_reason"
 
 
 def mint() -> tuple[str, str]:

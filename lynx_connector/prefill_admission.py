@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from lynx_connector.concurrent import CONCURRENT, FLOW_KEY
+from lynx_connector.concurrent import CONCURRENT, FLOW_KEY, TICKET_REASON_KEY
 from lynx_connector.config import LynxConfig
 from lynx_connector.metadata import is_ticket_part
 from lynx_connector.modes import AUTO_MODE, MODE_NAMES, is_requestable
@@ -21,9 +21,15 @@ if TYPE_CHECKING:
 __all__ = ["PrefillAdmission", "bad_request"]
 
 
-def bad_request(message: str, param: str) -> dict[str, Any]:
-    """A P request's 400-style ``lynx_error`` (vLLM's error shape): it is not staged, the proxy answers with it."""
-    return {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+def bad_request(message: str, param: str, reason: str | None = None) -> dict[str, Any]:
+    """A P request's 400-style ``lynx_error`` (vLLM's error shape): it is not staged, the proxy answers with it.
+    ``reason`` (``lynx_reason``): why the proxy's concurrent-flow ticket was refused (signing.REFUSAL_REASONS), so
+    the proxy can tell its own fault (a clock behind P's, another key) from the client's and go the sequential
+    way instead."""
+    error = {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+    if reason is not None:
+        error[TICKET_REASON_KEY] = reason
+    return error
 
 
 class PrefillAdmission:
@@ -103,7 +109,7 @@ class PrefillAdmission:
                                                 "serve one request (the proxy sends n > 1 the sequential way)")
         except ParamsRefused as exc:
             self._refused[req_id] = bad_request(f"concurrent-flow params refused ({exc.reason}): {exc}",
-                                                "kv_transfer_params")
+                                                "kv_transfer_params", exc.reason)
             self.stats.record_refusal(exc.reason)
             self._refusal_log.warn(req_id, exc, what="concurrent-flow params", outcome="not staged, its response "
                                                                                        "carries the error")

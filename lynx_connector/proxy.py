@@ -216,8 +216,15 @@ async def _serve(state: _State, call: Call, request: web.Request, body: dict[str
         p_url = await state.prefill_slots.acquire(queue_end - loop.time())
         plan = state.flows.plan(p_url, body)
         if plan is not None:  # P and D at once (proxy_flow.py); it releases P's slot when P has answered
-            return await serve_pipelined(state.session, state.flows, state.prefill_slots, call, request, body, chat,
-                                         p_url, d_url, *plan)
+            try:
+                return await serve_pipelined(state.session, state.flows, state.prefill_slots, call, request, body,
+                                             chat, p_url, d_url, *plan)
+            except Passthrough as refusal:  # P refused the proxy's own ticket: the sequential way instead
+                if refusal.ticket_refused is None:
+                    raise
+                state.flows.fall_back(call.request_id, p_url, refusal)
+            call.phase = "waiting for a prefill slot"
+            p_url = await state.prefill_slots.acquire(queue_end - loop.time())
         try:
             params = await prefill(state.session, call, p_url, request, body, chat)
         finally:

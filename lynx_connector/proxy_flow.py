@@ -14,7 +14,8 @@ cannot apply:
   by P's answer (lynx_connector/fanout.py).
 
 Failures: P's 4xx (e.g. a refused ``lynx_mode``) cancels the call to D (vLLM aborts it and frees its blocks) and
-is relayed as in the sequential flow. P unreachable or failing (5xx, dead mid-prefill) leaves D's call alone: D's
+is relayed as in the sequential flow; P refusing the proxy's own ticket (``lynx_reason``: a proxy clock behind
+P's, another key) is the proxy's fault, so that request goes the sequential way instead (``FlowBook.fall_back``). P unreachable or failing (5xx, dead mid-prefill) leaves D's call alone: D's
 pull fails (no layer for ``timeout_s``, or nothing published within ``concurrent_wait_s``) and D's
 ``kv_load_failure_policy`` decides (recompute: D answers; fail: D's error is relayed). D failing, or the client
 leaving, cancels the call to P (P aborts the request and frees its staging). Nothing is left behind on either side.
@@ -28,6 +29,7 @@ pool waits for D's room.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +52,8 @@ __all__ = ["FlowBook", "prompt_on_decode", "serve_pipelined"]
 
 #: How long D's finished answer waits for P's verdict (P accepted or refused the request) before it goes out.
 VERDICT_WAIT_S = 30.0
+#: How long a prefill server that refused the proxy's ticket gets the sequential flow (FlowBook.fall_back).
+SUSPEND_S = 60.0
 
 @dataclass
 class FlowBook:
@@ -59,7 +63,10 @@ class FlowBook:
     signer: Any | None  # lynx_connector.signing.ParamsSigner
     endpoints: dict[str, PrefillEndpoint] = field(default_factory=dict)
     default_mode: dict[str, str] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=lambda: {"pipelined": 0, "sequential": 0, "decode_only": 0})
+    counts: dict[str, int] = field(default_factory=lambda: {"pipelined": 0, "sequential": 0, "decode_only": 0,
+                                                            "fallback": 0})
+    #: prefill server -> monotonic time until which it gets the sequential flow (it refused the proxy's tickets)
+    suspended: dict[str, float] = field(default_factory=dict)
 
     def learn(self, p_url: str, body: dict[str, Any], params: dict[str, Any]) -> None:
         """From P's answer (either flow): P's side channel, and its default mode when the client named none."""
@@ -79,11 +86,41 @@ class FlowBook:
         endpoint = self.endpoints.get(p_url)
         mode = client_mode(body) or self.default_mode.get(p_url)
         # auto: P picks the mode as it prefills and names it to D in its side-channel Regions (protocol v3)
-        if self.signer is None or endpoint is None or mode is None or fans_out(body):
+        if (self.signer is None or endpoint is None or mode is None or fans_out(body)
+                or time.monotonic() < self.suspended.get(p_url, 0.0)):
             self.counts["sequential"] += 1
             return None
         self.counts["pipelined"] += 1
         return endpoint, mode
+
+
+    def fall_back(self, request_id: str, p_url: str, refusal: Passthrough) -> None:
+        """P refused the proxy's own ticket for this request (``refusal.ticket_refused``): the proxy's fault, not
+        the client's. The request goes the sequential way (P signs its own params), and so does every request to
+        that P for ``SUSPEND_S``, so a proxy whose clock or key is wrong costs one prefill per P per interval, not
+        one per request. The first refusal of an interval is a warning that says what to fix."""
+        self.counts["fallback"] += 1
+        reason = refusal.ticket_refused
+        if time.monotonic() < self.suspended.get(p_url, 0.0):
+            logger.info("request %s: prefill server %s refused the proxy's ticket (%s); sent the sequential way",
+                        request_id, p_url, reason)
+            return
+        self.suspended[p_url] = time.monotonic() + SUSPEND_S
+        skew = refusal.peer_clock_ahead_s
+        logger.warning("request %s: prefill server %s refused the proxy's concurrent-flow ticket (%s%s): this "
+                       "request and every request to that server for the next %gs go the sequential way (P signs "
+                       "their params). %s", request_id, p_url, reason,
+                       f"; its clock, by its HTTP Date header, is {skew:.0f} s ahead of the proxy's"
+                       if reason == "expired" and skew is not None else "", SUSPEND_S, _TICKET_FIX.get(
+                           reason, "Do the proxy and P run the same lynx-connector version?"))
+
+
+_TICKET_FIX = {
+    "expired": "The proxy's clock must agree with P's well within --params-ttl: run NTP on the proxy host too.",
+    "bad_signature": "The proxy must sign with the deployment's side-channel key (LYNX_SIDE_CHANNEL_KEY_FILE), "
+                     "the one P and D verify with.",
+    "unsigned": "P has a side-channel key and the proxy none (--insecure-side-channel): give the proxy the key.",
+}
 
 
 def prompt_on_decode(body: dict[str, Any], chat: bool) -> bool:

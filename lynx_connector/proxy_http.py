@@ -101,12 +101,17 @@ class ProxyError(Exception):
 class Passthrough(Exception):
     """A P or D error answer (4xx) relayed to the client unchanged: status, body bytes and content type."""
 
-    def __init__(self, side: str, status: int, body: bytes, content_type: str) -> None:
+    def __init__(self, side: str, status: int, body: bytes, content_type: str,
+                 ticket_refused: str | None = None, peer_clock_ahead_s: float | None = None) -> None:
         super().__init__(f"{side} answered HTTP {status}")
         self.side = side
         self.status = status
         self.body = body
         self.content_type = content_type
+        #: P refused the proxy's own concurrent-flow ticket, and why (P's ``lynx_reason``): not the client's fault
+        self.ticket_refused = ticket_refused
+        #: how far P's clock (its HTTP ``Date`` header, whole seconds) was ahead of the proxy's when it answered
+        self.peer_clock_ahead_s = peer_clock_ahead_s
 
     def response(self) -> web.Response:
         return web.Response(body=self.body, status=self.status, headers={"Content-Type": self.content_type})

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from lynx_connector.concurrent import TICKET_REASON_KEY
 from lynx_connector.config import REPORT_KEY
 from lynx_connector.logger import init_logger
 from lynx_connector.proxy_http import (
@@ -120,6 +123,15 @@ async def _status_error(side: str, url: str, resp: aiohttp.ClientResponse) -> Ex
                       f"{side} server {url} answered HTTP {resp.status}: {body[:2000].decode(errors='replace')}")
 
 
+def clock_ahead_s(date: str | None) -> float | None:
+    """How far the clock behind an HTTP ``Date`` header (whole seconds, as uvicorn sends it) is ahead of ours;
+    None without a parseable one."""
+    try:
+        return parsedate_to_datetime(date).timestamp() - time.time() if date else None
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+
+
 async def prefill(session: aiohttp.ClientSession, call: Call, url: str, request: web.Request,
                   body: dict[str, Any], chat: bool, kv_params: dict[str, Any] | None = None) -> dict[str, Any]:
     """P's answer's kv_transfer_params (P's 4xx: :class:`Passthrough`; P down or misbehaving: :class:`ProxyError`)."""
@@ -153,7 +165,10 @@ async def prefill(session: aiohttp.ClientSession, call: Call, url: str, request:
         # fault, in vLLM's error fields, relayed as vLLM would answer it
         code = error.get("code")
         status = code if isinstance(code, int) and 400 <= code < 500 else 400
-        raise Passthrough("prefill", status, json.dumps({"error": error}).encode(), "application/json")
+        reason = error.get(TICKET_REASON_KEY) if error.get("param") == "kv_transfer_params" else None
+        raise Passthrough("prefill", status, json.dumps({"error": error}).encode(), "application/json",
+                          ticket_refused=reason if isinstance(reason, str) else None,
+                          peer_clock_ahead_s=clock_ahead_s(resp.headers.get("Date")))
     logger.debug("request %s prefilled on %s: kv_transfer_params keys %s", call.request_id, url,
                  sorted(params))  # not the values: the transfer token and the signature are secrets
     return params

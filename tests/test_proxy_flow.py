@@ -72,7 +72,7 @@ def test_p_and_d_get_the_request_at_once_with_one_signed_ticket(monkeypatch) -> 
                 assert resp.status == 200 and (await resp.json())["choices"][0]["text"] == "Hello!"
         async with session.get(url + "/lynx/stats") as resp:
             stats = await resp.json()
-        assert stats["flows"] == {"pipelined": 1, "sequential": 1, "decode_only": 0} and stats["pipelined_on"]
+        assert stats["flows"] == {"pipelined": 1, "sequential": 1, "decode_only": 0, "fallback": 0} and stats["pipelined_on"]
 
     run_scenario([p], [d], scenario, flow="pipelined")
     # the first request taught the proxy P's side channel (sequential: D got P's own params)
@@ -342,3 +342,93 @@ def test_a_request_for_prompt_logprobs_goes_to_d_alone(monkeypatch, flow) -> Non
     assert len(p.received) == 2 and len(d.received) == 6  # the first and the last (echo without logprobs) via P
     alone = d.received[1:5]
     assert all("kv_transfer_params" not in b for b in alone), alone
+
+
+class SkewedPrefill(TimedFake):
+    """A P whose clock is ``ahead_s`` ahead of the proxy's: it verifies the proxy's tickets as P's admission does
+    (ParamsSigner.verify at its own time) and refuses them in P's own error shape (prefill_admission.bad_request);
+    its HTTP Date header tells the same time."""
+
+    def __init__(self, ahead_s: float, key: bytes = KEY):
+        super().__init__("prefill")
+        self.ahead_s, self.signer = ahead_s, ParamsSigner(key, 300.0)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        from email.utils import formatdate
+
+        from lynx_connector.prefill_admission import bad_request
+        from lynx_connector.signing import ParamsRefused
+
+        params = (await request.json()).get("kv_transfer_params") or {}
+        self.kv_params = {**P_PARAMS, "lynx_mode": "full", "lynx_ports": [5600]}
+        if params.get("lynx_flow") == "concurrent":
+            try:
+                self.signer.verify(params, at=time.time() + self.ahead_s)
+            except ParamsRefused as exc:
+                self.kv_params = {"lynx_error": bad_request(f"concurrent-flow params refused ({exc.reason}): {exc}",
+                                                            "kv_transfer_params", exc.reason)}
+        out = await super().generate(request)
+        out.headers["Date"] = formatdate(time.time() + self.ahead_s, usegmt=True)
+        return out
+
+
+@pytest.mark.parametrize("ahead_s,key,reason", [(1000.0, KEY, "expired"), (0.0, bytes(32), "bad_signature")],
+                         ids=["clock_behind", "other_key"])
+def test_p_refusing_the_proxys_own_ticket_sends_the_request_the_sequential_way(monkeypatch, caplog, ahead_s, key,
+                                                                               reason) -> None:
+    """A proxy clock behind P's by over --params-ttl, or a proxy with another key: P refuses every ticket the
+    proxy signs. That is the proxy's fault, not the client's: the request goes the sequential way (P signs its own
+    params) and succeeds, the warning says what to fix, and the next requests to that P go the sequential way at
+    once until SUSPEND_S has passed (before: every pipelined request was answered 400 ``expired``)."""
+    import logging
+
+    from lynx_connector import proxy_flow
+
+    _with_key(monkeypatch)
+    monkeypatch.setattr(proxy_flow, "SUSPEND_S", 1.0)
+    p, d = SkewedPrefill(ahead_s, key), TimedFake("decode")
+
+    async def scenario(session, url):
+        for _ in range(3):  # learn P (sequential); refused ticket -> sequential; suspended -> sequential
+            async with _post(session, url, BODY) as resp:
+                assert resp.status == 200, await resp.text()
+                assert (await resp.json())["choices"][0]["text"] == "Hello!"
+        await asyncio.sleep(1.2)  # the suspension is over: the proxy tries its ticket again (refused again)
+        async with _post(session, url, BODY) as resp:
+            assert resp.status == 200, await resp.text()
+        async with session.get(url + "/lynx/stats") as resp:
+            stats = await resp.json()
+        assert stats["flows"] == {"pipelined": 2, "sequential": 2, "decode_only": 0, "fallback": 2}, stats
+        assert sum(stats["prefill"]["inflight"].values()) == 0, stats
+
+    with caplog.at_level(logging.INFO, logger="lynx_connector.proxy_flow"):
+        run_scenario([p], [d], scenario, flow="pipelined")
+    tickets = [b["kv_transfer_params"].get("lynx_flow") for b in p.received]
+    assert tickets == [None, "concurrent", None, None, "concurrent", None], tickets
+    # D got each request once with P's own params, plus the two pipelined calls the proxy dropped
+    d_flows = [b["kv_transfer_params"].get("lynx_flow") for b in d.received]
+    assert d_flows.count("concurrent") <= 2 and d_flows.count(None) == 4, d_flows
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "refused" in r.getMessage()]
+    assert len(warnings) == 2 and all(f"({reason}" in w for w in warnings), warnings
+    if reason == "expired":
+        assert "1000 s ahead of the proxy's" in warnings[0] and "NTP" in warnings[0], warnings[0]
+    else:
+        assert "LYNX_SIDE_CHANNEL_KEY_FILE" in warnings[0], warnings[0]
+
+
+def test_a_client_fault_refusal_in_the_pipelined_flow_is_still_relayed(monkeypatch) -> None:
+    """Only a refusal of the proxy's own ticket (P's ``lynx_reason``) sends a request the sequential way; P
+    refusing what the client asked (a mode not allowed, a prompt too long) is the client's 400, as before."""
+    _with_key(monkeypatch)
+    p, d = TimedFake("prefill", refuse=True), TimedFake("decode")
+
+    async def scenario(session, url):
+        async with _post(session, url, BODY) as resp:
+            assert resp.status == 200
+        async with _post(session, url, BODY) as resp:
+            assert resp.status == 400
+        async with session.get(url + "/lynx/stats") as resp:
+            assert (await resp.json())["flows"]["fallback"] == 0
+
+    run_scenario([p], [d], scenario, flow="pipelined")
+    assert len(p.received) == 2

@@ -50,9 +50,12 @@ def dep(tmp_path_factory, model):
                    proxy_args=["--flow", "pipelined"])
     d.prefill.argv += ["--shutdown-timeout", "60"]  # SIGTERM drains (the last test stops P that way)
     seq = d.add_proxy("proxy-sequential", ["--flow", "sequential"])
+    other_key = d.add_proxy("proxy-other-key", ["--flow", "pipelined"])  # misconfigured: not the deployment's key
+    other_key.env["LYNX_SIDE_CHANNEL_KEY"] = "ab" * 32
     with d:
         pair = Pair(d, status, model)
         pair.seq_url = seq.url  # type: ignore[attr-defined]
+        pair.other_key_url = other_key.url  # type: ignore[attr-defined]
         yield pair
 
 
@@ -171,6 +174,22 @@ def test_pipelined_flow_equals_sequential_for_every_mode(dep):
     # P published layers in part inside the forward; D started pulling before P had finished (concurrent flow)
     assert counters["partial_published"] > 0 and counters["early_pulls"] >= len(MODES)
     assert counters["pipelined_pulls"] > 0
+    assert_idle(dep)
+
+
+def test_a_proxy_whose_tickets_p_refuses_goes_the_sequential_way(dep):
+    """A proxy signing with another key than the deployment's (as one whose clock is behind P's by over
+    --params-ttl): real P refuses its pipelined tickets. The requests still succeed, the sequential way (P signs),
+    with the sequential proxy's text, and nothing is left behind (before: every such request was a 400)."""
+    prompt = _prompt(12, seed=7)
+    want = complete(dep.seq_url, dep.model, prompt, "full", max_tokens=12)
+    assert want["ok"], want
+    for _ in range(3):  # learns P; its ticket refused -> sequential; P suspended -> sequential at once
+        got = complete(dep.other_key_url, dep.model, prompt, "full", max_tokens=12)
+        assert got["ok"], got
+        assert got["out"]["choices"][0]["text"] == want["out"]["choices"][0]["text"]
+    flows = _stats(dep.other_key_url)["flows"]
+    assert flows["fallback"] == 1 and flows["pipelined"] == 1 and flows["sequential"] == 2, flows
     assert_idle(dep)
 
 
