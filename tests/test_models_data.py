@@ -62,10 +62,41 @@ def _fake_convert(calls: list[int], delay: float = 0.0):
     return convert
 
 
-def test_prepare_redoes_partial_dir_atomically(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_prepare_never_deletes_a_folder_it_did_not_make(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """LYNX_MODEL_DIR pointed at a folder of the user's (no marker): refused with what to do, left untouched
+    (review: it was renamed and deleted). An empty folder is used."""
     target = tmp_path / "m"
     target.mkdir()
-    (target / "model.safetensors").write_text("half-written")  # no marker: a crashed earlier run
+    (target / "model.safetensors").write_text("the user's own weights")
+    clean_env.setenv("LYNX_MODEL_DIR", str(target))
+    calls: list[int] = []
+    clean_env.setattr(models, "_convert", _fake_convert(calls))
+    with pytest.raises(FileExistsError, match="was not made by lynx.*LYNX_MODEL_DIR"):
+        models.prepare()
+    assert calls == [] and (target / "model.safetensors").read_text() == "the user's own weights"
+    (target / "model.safetensors").unlink()
+    assert models.prepare() == target and calls == [1] and models.is_prepared()
+
+
+def test_prepare_removes_what_a_killed_conversion_left(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A conversion killed (SIGKILL, OOM) leaves its temp folder (hundreds of MB) and maybe a renamed old one:
+    the next conversion, holding the lock, removes them (review: only its own PID's was removed)."""
+    for name in (".m.tmp-99999999", ".m.old-99999998"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_text("x")
+    (tmp_path / ".other.tmp-1").mkdir()  # another model's: not ours to remove
+    clean_env.setenv("LYNX_MODEL_DIR", str(tmp_path / "m"))
+    calls: list[int] = []
+    clean_env.setattr(models, "_convert", _fake_convert(calls))
+    assert models.prepare() == tmp_path / "m" and calls == [1]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [".other.tmp-1", "m"]
+
+
+def test_prepare_redoes_a_marked_dir_atomically(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    target = tmp_path / "m"
+    target.mkdir()
+    (target / "model.safetensors").write_text("an older conversion")
+    (target / models.MARKER).write_text("not json")  # ours, unreadable: converted again
     clean_env.setenv("LYNX_MODEL_DIR", str(target))
     calls: list[int] = []
     clean_env.setattr(models, "_convert", _fake_convert(calls))
@@ -73,7 +104,7 @@ def test_prepare_redoes_partial_dir_atomically(clean_env: pytest.MonkeyPatch, tm
     assert models.prepare() == target
     assert calls == [1]
     assert models.is_prepared()
-    assert not (target / "model.safetensors").exists()  # the partial dir was replaced, not patched
+    assert not (target / "model.safetensors").exists()  # the old dir was replaced, not patched
     marker = json.loads((target / models.MARKER).read_text())
     assert marker["version"] == models.PREP_VERSION
     assert [

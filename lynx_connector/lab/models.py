@@ -162,8 +162,12 @@ def prepare(force: bool = False) -> Path:
     with _locked(target.parent / f".{target.name}.lock"):
         if not force and is_prepared(target):  # another process finished while we waited
             return target
+        _refuse_foreign(target)
+        # whoever left these was killed while it held the lock (it removes its own otherwise): nobody uses them
+        for stale in [*target.parent.glob(f".{target.name}.tmp-*"), *target.parent.glob(f".{target.name}.old-*")]:
+            logger.info("removing %s, left by a conversion that was killed", stale)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
             logger.info("converting %s from %s into %s", MODEL_NAME, gguf_path(), target)
@@ -177,6 +181,7 @@ def prepare(force: bool = False) -> Path:
                 **info,
             }
             (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+            _fsync_tree(tmp)  # the marker never stands beside weights a power loss truncated
             old = None
             if target.exists() or target.is_symlink():
                 old = target.parent / f".{target.name}.old-{os.getpid()}"
@@ -189,6 +194,23 @@ def prepare(force: bool = False) -> Path:
             raise
         logger.info("prepared %s in %.1f s", target, info["convert_s"])
     return target
+
+
+def _refuse_foreign(target: Path) -> None:
+    """``target`` is replaced only when it is one of ours (a marker of another version) or empty: a folder
+    without our marker may be the user's own (``LYNX_MODEL_DIR`` pointed at it), never deleted."""
+    if not (target / MARKER).exists() and target.is_dir() and any(target.iterdir()):
+        raise FileExistsError(f"{target} exists and was not made by lynx ({MARKER} is missing): it is left alone. "
+                              "Point LYNX_MODEL_DIR at another folder, or remove it yourself to convert there")
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in [*root.rglob("*"), root]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _dir_size_mb(path: Path) -> float:
