@@ -147,9 +147,14 @@ class TransferSource(SourceAnswers, SideChannelServer):
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot be delivered raises: counted, logged
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-        if config.port == 0:
-            return self._sock.bind_to_random_port(f"tcp://{config.host}")
-        self._sock.bind(f"tcp://{config.host}:{config.port}")
+        try:
+            if config.port == 0:
+                return self._sock.bind_to_random_port(f"tcp://{config.host}")
+            self._sock.bind(f"tcp://{config.host}:{config.port}")
+        except zmq.ZMQError as exc:  # named here: vLLM shows it under "Engine core initialization failed"
+            raise OSError(exc.errno, f"Lynx's side channel cannot listen on {config.host}:{config.port or 'any port'}"
+                                     f": {exc.strerror} (the port is side_channel_port plus the tensor-parallel "
+                                     "rank; side_channel_port 0 takes a free one)") from exc
         return config.port
 
     # ---- caller API --------------------------------------------------------------------------
