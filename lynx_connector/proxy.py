@@ -67,6 +67,8 @@ from lynx_connector.proxy_http import (
     ProxyError,
     correlation_id,
     error_response,
+    listen,
+    raise_fd_limit,
     too_deep,
 )
 from lynx_connector.proxy_upstream import (
@@ -459,9 +461,16 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
 
 
 def run(config: ProxyConfig) -> int:
-    """Serve until interrupted."""
+    """Serve until interrupted (1: the address cannot be listened on)."""
     configure_process_logging()
-    logger.info("Lynx proxy on http://%s:%s: prefill %s, decode %s", config.host, config.port,
+    raise_fd_limit()
+    try:  # bound first: a port in use is one line naming it, and --port 0 logs the port it got
+        sock = listen(config.host, config.port)
+    except OSError as exc:
+        logger.error("Lynx proxy cannot listen on %s:%s (--host, --port): %s", config.host, config.port,
+                     exc.strerror or exc)
+        return 1
+    logger.info("Lynx proxy on http://%s:%s: prefill %s, decode %s", config.host, sock.getsockname()[1],
                 config.prefill, config.decode)
-    web.run_app(create_app(config), host=config.host, port=config.port, print=None, **SERVER_OPTIONS)
+    web.run_app(create_app(config), sock=sock, print=None, **SERVER_OPTIONS)
     return 0

@@ -1,4 +1,4 @@
-"""The proxy's own HTTP answers: errors in vLLM's shape and the per-request correlation id.
+"""The proxy's own HTTP answers: errors in vLLM's shape and the per-request correlation id; its listening socket.
 
 vLLM's OpenAI server answers errors with ``{"error": {"message", "type", "param", "code"}}`` (``ErrorResponse`` in
 ``vllm/entrypoints/serve/engine/protocol.py``; its HTTP-level handlers use the status phrase as ``type``), as
@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import json
 import re
+import resource
+import socket
 import uuid
 from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
+
+from lynx_connector.logger import init_logger
+
+logger = init_logger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
 #: A client's X-Request-Id is kept when it is at most this long and made only of ``[A-Za-z0-9._:-]``.
@@ -119,3 +125,22 @@ class Passthrough(Exception):
 
 class ClientGone(Exception):
     """The client closed its connection while the proxy was writing to it."""
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (0: a free port), IPv4 or IPv6 as ``host`` resolves."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    return socket.create_server((host, port), family=family, backlog=1024)
+
+
+def raise_fd_limit(target: int = 65535) -> None:
+    """Raise this process's soft limit on open files toward ``target`` (at most the hard limit), as vLLM does
+    for its servers: every request in flight holds a client connection and up to two upstream ones."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (OSError, ValueError) as exc:
+            logger.warning("Lynx proxy: open-file limit %d could not be raised to %d (%s): at most about %d "
+                           "requests in flight", soft, want, exc, soft // 3)

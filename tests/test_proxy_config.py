@@ -63,3 +63,57 @@ def test_a_queue_timeout_not_shorter_than_the_request_timeout_is_warned(caplog: 
     assert "--queue-timeout" not in caplog.text
     ProxyConfig(**BASE, queue_timeout_s=60.0, request_timeout_s=30.0)
     assert "--queue-timeout 60s is not shorter than --request-timeout 30s" in caplog.text
+
+
+def _proxy_argv(port: int) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "lynx_connector.cli", "proxy", "--prefill", "127.0.0.1:8100", "--decode",
+            "127.0.0.1:8200", "--host", "127.0.0.1", "--port", str(port), "--flow", "sequential"]
+
+
+def test_a_port_in_use_is_one_line_naming_it() -> None:
+    """Review: the proxy logged that it listened, then died with asyncio's OSError traceback."""
+    import socket
+    import subprocess
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        done = subprocess.run(_proxy_argv(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=120)
+    assert done.returncode == 1, done.stdout
+    assert f"cannot listen on 127.0.0.1:{port} (--host, --port): Address already in use" in done.stdout, done.stdout
+    assert "Traceback" not in done.stdout and "Lynx proxy on" not in done.stdout
+
+
+def test_port_0_logs_the_port_it_got_and_the_open_file_limit_is_raised() -> None:
+    """``--port 0`` takes a free port and the log names it (review: it said ``:0``); a soft open-file limit of
+    256 is raised toward 65535 as vLLM raises its own (review: at 256 the proxy answered 503s naming P or D)."""
+    import json
+    import re
+    import resource
+    import subprocess
+    import time
+    import urllib.request
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    proc = subprocess.Popen(_proxy_argv(0), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=low_limit)
+    try:
+        line = ""
+        deadline = time.monotonic() + 120
+        while "Lynx proxy on" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline() or line
+        port = int(re.search(r"Lynx proxy on http://127\.0\.0\.1:(\d+)", line).group(1))
+        assert port != 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/lynx/stats", timeout=30) as resp:
+            assert json.load(resp)["flow"] == "sequential"
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        limits = open(f"/proc/{proc.pid}/limits").read()
+        soft = int(re.search(r"Max open files\s+(\d+)", limits).group(1))
+        assert soft == (65535 if hard == resource.RLIM_INFINITY else min(65535, hard)) > 256, limits
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
