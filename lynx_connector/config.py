@@ -142,9 +142,11 @@ class LynxConfig:
     chunk_bytes: int = 1 << 20
     #: D's bytes in flight: how many chunks' reads are posted at once, bytes.
     window_bytes: int = 8 << 20
-    #: Staging memory registered with NIXL once, per worker, MiB. One request's planes must fit whole: the worker
-    #: warns at start when max_model_len tokens do not fit in an allowed mode, naming the staging_mb that does,
-    #: and P refuses a longer prompt in that mode before staging it (a 400 lynx_error).
+    #: Staging memory registered with NIXL once, per worker and role, MiB: kv_both holds a pool to send and one to
+    #: receive (2x; kv_producer and kv_consumer one), resident from start, which must fit the memory available
+    #: (else a start-up error). One request's planes must fit whole: the worker warns at start when max_model_len
+    #: tokens do not fit in an allowed mode, naming the staging_mb that does, and P refuses a longer prompt in that
+    #: mode before staging it (a 400 lynx_error).
     staging_mb: int = 256
     #: P's side channel (zmq): the address P binds and tells D through kv_transfer_params (one D can reach: an
     #: IPv4 address or a host name; a wildcard such as 0.0.0.0, a host:port, a URL or IPv6 is a start-up error).

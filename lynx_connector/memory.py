@@ -157,6 +157,38 @@ def machine_memory_bytes(limit_files: Sequence[str] = CGROUP_LIMIT_FILES) -> int
     return total
 
 
+def available_memory_bytes(cgroup_dir: str = "/sys/fs/cgroup") -> int:
+    """Memory this process can still take: the machine's available memory, or what is left under its cgroup v2
+    limit when that is less (a container)."""
+    import psutil
+
+    available = int(psutil.virtual_memory().available)
+    try:
+        limit = Path(cgroup_dir, "memory.max").read_text().strip()
+        current = Path(cgroup_dir, "memory.current").read_text().strip()
+    except OSError:
+        return available
+    if limit.isdigit() and current.isdigit():
+        available = min(available, max(0, int(limit) - int(current)))
+    return available
+
+
+def check_staging_memory(staging_mb: int, pools: int, role: str, available: int | None = None) -> None:
+    """Start-up: the worker's staging pools (``pools`` of ``staging_mb`` MiB, written at once, so resident) must fit
+    the memory still available, or the allocation fails with a bare torch error or the OOM killer ends the
+    engine. Raises ``LynxConfigError`` naming ``staging_mb``."""
+    from lynx_connector.config import LynxConfigError
+
+    need = pools * (staging_mb << 20)
+    free = available_memory_bytes() if available is None else available
+    if need > free:
+        two = (" (kv_role kv_both holds a pool to send and one to receive: kv_producer on prefill instances and "
+               "kv_consumer on decode instances hold one)" if pools > 1 else "")
+        raise LynxConfigError(f"staging_mb: {pools} staging pool(s) of {staging_mb} MiB{two} need {need >> 20} MiB, "
+                              f"but only {free >> 20} MiB of memory is available to this {role} worker; lower "
+                              "staging_mb or free memory")
+
+
 def current_device() -> str:
     """``cpu`` or ``cuda`` (CUDA and ROCm) for vLLM's current platform, else its device type."""
     from vllm.platforms import current_platform

@@ -35,6 +35,7 @@ from lynx_connector.compat import dtype_name, kv_compat, model_identity
 from lynx_connector.config import LynxConfig
 from lynx_connector.layerwise import StagingJob
 from lynx_connector.logger import init_logger
+from lynx_connector.memory import check_staging_memory
 from lynx_connector.metadata import (
     LynxConnectorMetadata,
     LynxHandshakeMetadata,
@@ -138,6 +139,8 @@ class LynxConnectorWorker(ReceiveHalf):
                            codec_options=self.config.codec_options, tp_rank=self.tp_rank, tp_size=self.tp_size,
                            identity=model_identity(model_cfg))
         name = f"lynx-{self.engine_id}-tp{self.tp_rank}"
+        check_staging_memory(self.config.staging_mb, self.is_producer + self.is_consumer,
+                             self.vllm_config.kv_transfer_config.kv_role)
         if self.is_producer:
             self.source = TransferSource(self.config.transport_config(self.tp_rank, self._key, name + "-src"), compat,
                                          name=name + "-src", status_extra=self._status_counters)

@@ -94,3 +94,42 @@ def test_start_up_staging_check_counts_what_d_stages_in_the_anchor_mode(monkeypa
             assert bool(said) is warned, (role, said)
         finally:
             w.shutdown()
+
+
+@pytest.mark.parametrize("role", ["kv_both", "kv_producer", "kv_consumer"])
+def test_start_up_refuses_staging_larger_than_the_memory_available(monkeypatch, role):
+    """staging_mb past the memory left (each pool is written at start, so resident): a start-up error naming
+    staging_mb and, for kv_both, that it holds two pools (review: a bare torch "can't allocate" error, or the OOM
+    killer), before any pool is allocated. One pool of the same size fits and starts."""
+    from lynx_connector import memory
+    from lynx_connector.config import LynxConfigError
+
+    use_fake_nixl(monkeypatch)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 5 << 20)  # 5 MiB left
+    allocated = []
+    real_pool_init = StagingPool.__init__
+    monkeypatch.setattr(StagingPool, "__init__", lambda pool, n, *a: allocated.append(n) or real_pool_init(pool, n, *a))
+    caches = {f"layer.{i}": torch.zeros(NB, H, BS, 2 * D) for i in range(LAYERS)}
+    w = worker_mod.LynxConnectorWorker(vcfg(role), "e-m", LynxConfig.from_extra_config({"staging_mb": 3,
+                                                                                       "timeout_s": 2}))
+    try:
+        if role == "kv_both":
+            with pytest.raises(LynxConfigError, match=r"staging_mb: 2 staging pool\(s\) of 3 MiB \(kv_role kv_both "
+                                                      r".*need 6 MiB, but only 5 MiB .* kv_both worker"):
+                w.register_kv_caches(caches)
+            assert allocated == []
+        else:
+            w.register_kv_caches(caches)
+            assert allocated == [3 << 20]
+    finally:
+        w.shutdown()
+
+
+def test_available_memory_is_the_cgroup_remainder_when_lower(tmp_path) -> None:
+    from lynx_connector import memory
+
+    (tmp_path / "memory.max").write_text("1073741824\n")
+    (tmp_path / "memory.current").write_text("805306368\n")
+    assert memory.available_memory_bytes(str(tmp_path)) == 256 << 20
+    (tmp_path / "memory.max").write_text("max\n")
+    assert memory.available_memory_bytes(str(tmp_path)) > 256 << 20
