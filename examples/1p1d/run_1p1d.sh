@@ -44,9 +44,12 @@ mkdir -p "$LOG_DIR"
 PIDS=()
 cleanup() {
   local rc=$?
-  trap - EXIT INT TERM
+  trap - EXIT
+  HURRY=0
+  trap 'HURRY=1' INT TERM HUP   # a second Ctrl-C kills now instead of leaving the servers half-stopped
   for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done   # whole process groups
   for _ in $(seq 1 30); do
+    [[ $HURRY == 1 ]] && break
     local alive=0
     for pid in "${PIDS[@]}"; do kill -0 -- "-$pid" 2>/dev/null && alive=1; done
     [[ $alive == 0 ]] && break
@@ -59,6 +62,7 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
+trap 'exit 129' HUP   # a closed terminal stops the servers too
 
 start() {  # start NAME CPUS CMD...: own session/process group, log to LOG_DIR/NAME.log
   local name=$1 cpus=$2; shift 2

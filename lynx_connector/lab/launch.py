@@ -28,9 +28,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,27 +117,40 @@ class Server:
             return ""
 
     def stop(self, grace: float = 15.0) -> None:
-        proc, self.proc = self.proc, None
+        stop_servers([self], grace)
+
+    def _signal_group(self, sig: int) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def stop_servers(servers: list[Server], grace: float = 15.0, hurry: Callable[[], bool] = lambda: False) -> None:
+    """SIGTERM every server's process group at once, wait for them against one deadline of ``grace`` seconds
+    (cut short when ``hurry()``: a second Ctrl-C), then SIGKILL the groups (children may outlive a leader).
+    A server's ``proc`` is cleared only once its group was killed: a stop interrupted midway is finished by the
+    next one (atexit)."""
+    live = [s for s in servers if s.proc is not None]
+    for s in live:
+        if s.proc is not None and s.proc.poll() is None:
+            s._signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while (time.monotonic() < deadline and not hurry()
+           and any(s.proc is not None and s.proc.poll() is None for s in live)):
+        time.sleep(0.1)
+    for s in live:
+        s._signal_group(signal.SIGKILL)
+    for s in live:
+        proc, s.proc = s.proc, None
         if proc is None:
-            return
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # the group may hold children that outlived the leader
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+            continue
         try:
             proc.wait(5)
         except subprocess.TimeoutExpired:
-            logger.warning("%s (pid %s) did not exit after SIGKILL", self.name, proc.pid)
-        self._log.close()
+            logger.warning("%s (pid %s) did not exit after SIGKILL", s.name, proc.pid)
+        s._log.close()
 
 
 def serve_args(model: str, port: int, kv_transfer_config: str, *, max_model_len: int = 4096,
@@ -269,7 +284,7 @@ class Deployment:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.startup_timeout = startup_timeout
         self.topology: Any = None
-        self._old_sigterm: Any = None
+        self._old_handlers: dict[int, Any] = {}  # the signal handlers __enter__ replaced
         self._model, self._max_model_len = model, max_model_len
         self._extra = {"prefill": list(extra_serve_args or []),
                        "decode": list(extra_serve_args or []) + list(decode_serve_args or [])}
@@ -392,7 +407,8 @@ class Deployment:
 
     def __enter__(self) -> Deployment:
         atexit.register(self.stop)
-        self._old_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        if threading.current_thread() is threading.main_thread():  # a closed terminal (SIGHUP) stops it too
+            self._old_handlers = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in STOP_SIGNALS}
         try:
             self.start()
         except BaseException:
@@ -433,19 +449,33 @@ class Deployment:
             time.sleep(1.0)
 
     def stop(self) -> None:
+        """Stop every server at once (one grace period, not one each) and remove the namespaces. A Ctrl-C, SIGTERM
+        or SIGHUP meanwhile does not interrupt it (a half-done stop left servers running): it cuts the grace
+        period short, killing them now."""
+        hurried: list[int] = []
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            during = {sig: signal.signal(sig, lambda signum, _frame: hurried.append(signum))
+                      for sig in (signal.SIGINT, *STOP_SIGNALS)}
         try:
-            for s in reversed(self.servers):
-                s.stop()
+            if any(s.proc is not None for s in self.servers):
+                logger.info("stopping %s", ", ".join(s.name for s in self.servers if s.proc is not None))
+            stop_servers(list(reversed(self.servers)), hurry=lambda: bool(hurried))
         finally:
             if self.topology is not None:
                 self.topology.destroy()
                 self.topology = None
                 for s in self.servers:
                     s.netns = None
+            if main:
+                for sig, handler in {**during, **self._old_handlers}.items():
+                    signal.signal(sig, handler)
+                self._old_handlers = {}
         atexit.unregister(self.stop)
-        if self._old_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._old_sigterm)
-            self._old_sigterm = None
+
+
+#: Signals that stop a deployment (KeyboardInterrupt in the main thread; SIGINT raises it already).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
@@ -506,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
             logger.error("a server exited; stopping the deployment (logs in %s)", dep.log_dir)
             return 1
     except KeyboardInterrupt:
-        return 0
+        sys.stderr.write("interrupted; servers stopped\n")
+        return 130
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import os
 import re
 import select
 import shutil
+import signal
 import struct
 import subprocess
 import threading
@@ -301,7 +302,9 @@ def list_namespaces() -> list[str]:
 
 
 def cleanup_stale() -> list[str]:
-    """Delete ``lynx<pid>x...`` namespaces whose creating process no longer exists; returns their names."""
+    """Delete ``lynx<pid>x...`` namespaces whose creating process no longer exists, killing the processes still
+    running in them first (servers a SIGKILLed launcher left: deleting the name alone leaves them serving in an
+    anonymous namespace); returns their names."""
     removed = []
     for ns in list_namespaces():
         m = _NAME_RE.match(ns)
@@ -310,6 +313,9 @@ def cleanup_stale() -> list[str]:
         pid = int(m.group(1))
         if pid == os.getpid() or os.path.exists(f"/proc/{pid}"):
             continue
+        for orphan in _run(["ip", "netns", "pids", ns], check=False).stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
+                os.kill(int(orphan), signal.SIGKILL)
         if _run(["ip", "netns", "del", ns], check=False).returncode == 0:
             removed.append(ns)
     if removed:

@@ -51,3 +51,76 @@ def test_netns_restart_keeps_the_side_channel(tmp_path: Path, monkeypatch: pytes
     extra = _kv(dep.decode.argv)["kv_connector_extra_config"]
     assert (extra["link_gbps"], extra["side_channel_host"]) == (1, "10.213.3.2")
     assert dep.decode.argv[dep.decode.argv.index("--host") + 1] == "10.213.2.2"
+
+
+#: A server still starting, as vLLM's API server is: it ignores SIGTERM, and has a child in its process group.
+STUBBORN = ("import os, signal, subprocess, sys, time\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
+            "print(child.pid, flush=True)\n"
+            "time.sleep(600)\n")
+
+
+def _stubborn(dep: Deployment) -> list[int]:
+    """Start dep's servers as STUBBORN processes; returns every pid (leaders and children)."""
+    import sys
+    import time
+
+    pids = []
+    for s in dep.servers:
+        s.argv = [sys.executable, "-c", STUBBORN]
+        s.start()
+        assert s.proc is not None
+        pids.append(s.proc.pid)
+    for s in dep.servers:
+        deadline = time.monotonic() + 30
+        while not s.log_path.read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids.append(int(s.log_path.read_text().split()[0]))
+    return pids
+
+
+def _gone(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return open(f"/proc/{pid}/stat").read().split()[2] == "Z"  # a zombie: dead, not yet reaped by its parent
+
+
+def test_stop_waits_one_grace_for_all_servers_and_kills_their_children(tmp_path: Path) -> None:
+    """Servers that ignore SIGTERM (vLLM while it starts) get one grace period together, not one each (review:
+    15 s per server, 30-45 s silent after a Ctrl-C during start-up), then their whole groups are killed."""
+    import time
+
+    dep = Deployment("MODEL", tmp_path, kv_transfer_config="lynx")
+    pids = _stubborn(dep)
+    t0 = time.monotonic()
+    launch.stop_servers(dep.servers, grace=1.0)
+    assert time.monotonic() - t0 < 2.5  # one 1 s grace for the three, not three
+    assert all(_gone(pid) for pid in pids), pids
+    assert all(s.proc is None for s in dep.servers)
+    dep.stop()  # nothing left to stop
+
+
+def test_a_second_interrupt_during_stop_kills_at_once_and_is_not_lost_midway(tmp_path: Path) -> None:
+    """Ctrl-C (or SIGTERM, SIGHUP) again while the deployment stops: the grace period is cut short and every
+    group killed (review: the second Ctrl-C interrupted the wait after the server's ``proc`` was cleared, so
+    nothing ever sent SIGKILL: the server hung on, and the launcher exited 0)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    dep = Deployment("MODEL", tmp_path, kv_transfer_config="lynx")
+    pids = _stubborn(dep)
+    before = signal.getsignal(signal.SIGINT)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    dep.stop()  # a 15 s grace, cut short by the SIGINT
+    assert time.monotonic() - t0 < 8.0
+    assert all(_gone(pid) for pid in pids), pids
+    assert signal.getsignal(signal.SIGINT) is before

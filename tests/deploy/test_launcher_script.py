@@ -23,6 +23,8 @@ args = sys.argv[1:]
 role, port = args[0], int(args[args.index("--port") + 1])
 if role == "serve" and os.environ.get("STUB_FAIL_SERVE"):
     sys.exit(3)
+if os.environ.get("STUB_IGNORE_TERM"):                 # as vLLM's server while it starts
+    import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)
 child = subprocess.Popen(["sleep", "300"])            # a grandchild: the trap must kill the whole group
 with open(os.path.join(os.environ["STUB_DIR"], f"{role}-{port}.pids"), "w") as f:
     f.write(f"{os.getpid()} {child.pid}\n")
@@ -139,3 +141,33 @@ def test_servers_get_the_launchers_arguments_and_environment(tmp_path: Path,
         kv = args[args.index("--kv-transfer-config") + 1]
         assert args == serve_args("stub-model", int(port), kv, extra=["--max-num-seqs", "4"])
         assert args[args.index("--block-size") + 1] == "32"
+
+
+@pytest.mark.parametrize("first,second", [(signal.SIGTERM, signal.SIGINT), (signal.SIGHUP, signal.SIGTERM)])
+def test_a_second_signal_during_teardown_kills_at_once(tmp_path: Path, first: int, second: int) -> None:
+    """Servers that ignore SIGTERM hold the teardown for its 15 s; a second Ctrl-C (or SIGTERM) then kills them
+    at once, and the script still says it stopped (review: the second signal killed the script mid-teardown and
+    left the servers running). A closed terminal (SIGHUP) stops everything too."""
+    env = _setup(tmp_path, KEEP="1", STUB_IGNORE_TERM="1")
+    proc = subprocess.Popen(["bash", str(SCRIPT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        end = time.monotonic() + 60
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if "Ctrl-C stops everything" in line:
+                break
+            assert time.monotonic() < end
+        pids = _all_pids(tmp_path)
+        proc.send_signal(first)
+        time.sleep(1.0)
+        assert proc.poll() is None  # waiting for the servers that ignore SIGTERM
+        t0 = time.monotonic()
+        proc.send_signal(second)
+        assert proc.wait(10) == {signal.SIGTERM: 143, signal.SIGHUP: 129}[first]
+        assert time.monotonic() - t0 < 8.0
+        assert "[1p1d] stopped" in proc.stdout.read()  # type: ignore[union-attr]
+        _assert_all_gone(pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

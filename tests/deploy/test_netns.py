@@ -5,6 +5,7 @@ Plain sockets only (no NIXL): a few seconds."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -146,5 +147,13 @@ def test_cleanup_stale_removes_namespaces_of_dead_creators() -> None:
     name = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           timeout=60).stdout.strip().splitlines()[-1]
     assert name in netns.list_namespaces()  # its creator exited without destroy()
+    # a server the dead creator left running in it (a SIGKILLed launcher's): killed, not left in an anonymous one
+    orphan = subprocess.Popen(["ip", "netns", "exec", name, sys.executable, "-c", "import time; time.sleep(600)"],
+                              start_new_session=True)
+    deadline = time.monotonic() + 30
+    while str(orphan.pid) not in subprocess.run(["ip", "netns", "pids", name], capture_output=True,
+                                                text=True).stdout.split() and time.monotonic() < deadline:
+        time.sleep(0.05)
     removed = netns.cleanup_stale()
     assert name in removed and name not in netns.list_namespaces()
+    assert orphan.wait(10) == -signal.SIGKILL
