@@ -163,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         parser.exit(2, f"lynx {args.command}: error: {e}\n")
     except KeyboardInterrupt:
+        sys.stderr.write(f"lynx {args.command}: interrupted\n")
         return 130
 
 

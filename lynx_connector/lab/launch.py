@@ -433,20 +433,28 @@ class Deployment:
         self.startup_s = time.monotonic() - t0
 
     def _wait_healthy(self, servers: list[Server], timeout: float) -> None:
+        """Raises :class:`StartupFailed` naming the server that exited, or those not healthy by ``timeout``."""
         deadline = time.monotonic() + timeout
         pending = list(servers)
         while pending:
             for s in list(pending):
-                if s.proc is not None and s.proc.poll() is not None:
-                    raise RuntimeError(f"{s.name} server exited with code {s.proc.returncode} during start-up; "
-                                       f"last log lines ({s.log_path}):\n{s.log_tail()}")
+                self.raise_if_exited("during start-up", [s])
                 if s.healthy():
                     logger.info("%s healthy at %s", s.name, s.url)
                     pending.remove(s)
             if time.monotonic() > deadline:
                 names = ", ".join(s.name for s in pending)
-                raise TimeoutError(f"{names} not healthy after {timeout:.0f} s; logs in {self.log_dir}")
+                raise StartupFailed(tuple(s.name for s in pending),
+                                    f"{names} not healthy after {timeout:.0f} s; logs in {self.log_dir}")
             time.sleep(1.0)
+
+    def raise_if_exited(self, during: str, servers: list[Server] | None = None) -> None:
+        """:class:`StartupFailed` naming the first server (of ``servers``, default all) whose process exited,
+        with its log's tail: a benchmark checks it between cells, whose results a dead server voids."""
+        for s in self.servers if servers is None else servers:
+            if s.proc is not None and s.proc.poll() is not None:
+                raise StartupFailed((s.name,), f"{s.name} server exited with code {s.proc.returncode} {during}; "
+                                               f"last log lines ({s.log_path}):\n{s.log_tail()}")
 
     def stop(self) -> None:
         """Stop every server at once (one grace period, not one each) and remove the namespaces. A Ctrl-C, SIGTERM
@@ -472,6 +480,14 @@ class Deployment:
                     signal.signal(sig, handler)
                 self._old_handlers = {}
         atexit.unregister(self.stop)
+
+
+class StartupFailed(RuntimeError):
+    """A server exited (during start-up or later), or did not become healthy in time: ``servers`` names which."""
+
+    def __init__(self, servers: tuple[str, ...], message: str) -> None:
+        super().__init__(message)
+        self.servers = servers
 
 
 #: Signals that stop a deployment (KeyboardInterrupt in the main thread; SIGINT raises it already).

@@ -294,7 +294,8 @@ def test_run_rate_batches_rotate_modes_and_one_row_covers_every_round(monkeypatc
     monkeypatch.setattr(choices, "read_log", lambda path, at: "\n".join(log_lines[at:]))
     plan = Plan(["int8", "full", "auto"], [1024], 1, [2], 1024, 8, flows=("pipelined",), batches=3)
     dep = SimpleNamespace(url="u", flow_urls={"pipelined": "u"}, decode=SimpleNamespace(url="d"),
-                          prefill=SimpleNamespace(url="p", log_path=Path("p.log")))
+                          prefill=SimpleNamespace(url="p", log_path=Path("p.log")),
+                          raise_if_exited=lambda during: None)
     prompts = {1024: [SimpleNamespace(token_ids=[0] * 1024, seed=i, depth=None, answer=None) for i in range(2)]}
     rows, reqs, _ = measure.run_rate(dep, "m", "r", 1.0, plan, prompts, SHAPE, True, measure.Progress(9))
     order = [m for m, _ in sent[::2]]  # one entry per batch of two
@@ -404,3 +405,59 @@ def test_failed_requests_fail_their_cell_and_count_against_the_output_share() ->
     e2e.mark_output_equality(reqs + full)
     assert [r["output_equal_full"] for r in reqs] == [True, False, True]
     assert e2e.counter_delta(None, {"anchor_bytes": 5.0}) == {} and e2e.merge_p_delta({}, {"sec_p_mac": 1.0}) == {}
+
+
+@pytest.mark.parametrize("failed,retried", [(("decode",), True), (("prefill",), False), (("prefill", "decode"),
+                                                                                            False)])
+def test_start_retries_without_the_speculative_scheduler_only_when_d_alone_failed(monkeypatch, tmp_path, failed,
+                                                                                   retried) -> None:
+    from lynx_connector.lab.bench.e2e import deploy
+    from lynx_connector.lab.launch import StartupFailed
+
+    made = []
+
+    class FakeDep:
+        def __init__(self, spec_args) -> None:
+            self.spec_args = spec_args
+            self.decode = type("S", (), {"log_tail": lambda self, n: "D's log"})()
+
+        def __enter__(self):
+            if self.spec_args:
+                raise StartupFailed(failed, f"{', '.join(failed)} failed")
+            return self
+
+    def make(model, log_dir, gbps, spec_args, plan):
+        made.append(FakeDep(spec_args))
+        return made[-1]
+
+    monkeypatch.setattr(deploy, "make_deployment", make)
+    plan = type("P", (), {"auto_speculative": None})()
+    if retried:
+        started = deploy.start_deployment("m", tmp_path, None, ["--spec"], plan)
+        assert started.spec_failed and len(made) == 2 and made[1].spec_args == []
+    else:
+        with pytest.raises(StartupFailed):
+            deploy.start_deployment("m", tmp_path, None, ["--spec"], plan)
+        assert len(made) == 1
+
+
+def test_an_interrupted_batch_does_not_wait_for_its_requests() -> None:
+    """Ctrl-C during a concurrent batch reaches the caller at once (which stops the servers, ending the requests
+    in flight) instead of after every request's own timeout (review: 55 s, silent)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from lynx_connector.lab.bench.e2e.measure import concurrently
+
+    release = threading.Event()
+    assert concurrently(lambda x: x * 2, [1, 2, 3], 2) == [2, 4, 6]
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            concurrently(lambda _: release.wait(30.0), [0, 1, 2], 3)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        release.set()

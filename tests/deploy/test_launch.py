@@ -124,3 +124,29 @@ def test_a_second_interrupt_during_stop_kills_at_once_and_is_not_lost_midway(tmp
     assert time.monotonic() - t0 < 8.0
     assert all(_gone(pid) for pid in pids), pids
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_server_that_exits_is_named(tmp_path: Path) -> None:
+    """Start-up and the benchmarks' between-cell check name the server that exited (the e2e bench retries without
+    the speculative scheduler only when D alone failed: review, it blamed a P killed during start-up on D)."""
+    import sys
+
+    dep = Deployment("MODEL", tmp_path, kv_transfer_config="lynx", startup_timeout=30)
+    for s in dep.servers:
+        s.argv = [sys.executable, "-c", STUBBORN]
+    dep.prefill.argv = [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]
+    try:
+        with pytest.raises(launch.StartupFailed, match="prefill server exited with code 3 during start-up") as exc:
+            dep.start()
+        assert exc.value.servers == ("prefill",) and "boom" in str(exc.value)
+        dep.stop()  # stopped servers are not exited ones
+        dep.raise_if_exited("now")
+        dep.decode.start()
+        dep.raise_if_exited("now")
+        dep.decode.proc.kill()  # type: ignore[union-attr]
+        dep.decode.proc.wait(10)  # type: ignore[union-attr]
+        with pytest.raises(launch.StartupFailed, match="decode server exited with code -9 between cells") as exc:
+            dep.raise_if_exited("between cells")
+        assert exc.value.servers == ("decode",)
+    finally:
+        dep.stop()

@@ -33,7 +33,6 @@ import shlex
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from lynx_connector.lab.bench import common
 from lynx_connector.lab.bench.e2e.deploy import restart_decode, speculative_serve_args, start_deployment
 from lynx_connector.lab.bench.e2e.measure import (
     Progress,
+    concurrently,
     detect_speculative,
     equality_by_row,
     mark_output_equality,
@@ -193,9 +193,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             top = max(levels, default=1)
             if top > 1 and do_runs:
                 for url in dep.flow_urls.values():
-                    with ThreadPoolExecutor(max_workers=top) as pool:
-                        batch = list(pool.map(lambda _, u=url: one_request(u, model, warm_prompt, "full", 4),
-                                              range(top)))
+                    batch = concurrently(lambda _, u=url: one_request(u, model, warm_prompt, "full", 4),
+                                         list(range(top)), top)
                     if any(w["error"] for w in batch):
                         raise RuntimeError(f"concurrent warm-up failed on link {label}: "
                                            f"{next(w['error'] for w in batch if w['error'])}")

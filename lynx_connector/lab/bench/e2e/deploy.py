@@ -11,7 +11,7 @@ from typing import NamedTuple
 from lynx_connector import presets
 from lynx_connector.lab.bench.e2e.measure import write
 from lynx_connector.lab.bench.e2e.plan import Plan, kv_config
-from lynx_connector.lab.launch import Deployment
+from lynx_connector.lab.launch import Deployment, StartupFailed
 from lynx_connector.logger import init_logger
 
 logger = init_logger(__name__)
@@ -68,8 +68,8 @@ def start_deployment(model: str, log_dir: Path, gbps: float | None, spec_args: l
     t0 = time.perf_counter()
     try:
         dep.__enter__()
-    except (RuntimeError, TimeoutError) as exc:
-        if not spec_args:
+    except StartupFailed as exc:
+        if not spec_args or exc.servers != ("decode",):  # P or the proxy failing is not the scheduler's doing
             raise
         tail = dep.decode.log_tail(15)
         logger.warning("D did not start with the speculative scheduler (%s); retrying without it", exc)

@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,19 @@ def mode_rounds(modes: list[str], batches: int) -> list[list[str]]:
     return [modes[b % len(modes):] + modes[:b % len(modes)] for b in range(batches)] if modes else []
 
 
+def concurrently(fn: Callable[[Any], Any], items: list[Any], workers: int) -> list[Any]:
+    """``fn`` over ``items`` on ``workers`` threads, results in order. Interrupted (Ctrl-C), it does not wait for
+    the requests in flight (up to their timeout each): the caller stops the servers, which ends them."""
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        out = list(pool.map(fn, items))
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return out
+
+
 def _run_batch(dep: Any, url: str, model: str, mode: str, batch: list[Any], conc: int,
                plan: Plan) -> dict[str, Any]:
     """One batch of a cell: its requests (one after another at concurrency 1, all at once above) and what D's and
@@ -161,8 +175,7 @@ def _run_batch(dep: Any, url: str, model: str, mode: str, batch: list[Any], conc
     if conc == 1:
         got = [one_request(url, model, pr, mode, plan.max_tokens) for pr in batch]
     else:
-        with ThreadPoolExecutor(max_workers=conc) as pool:
-            got = list(pool.map(lambda pr: one_request(url, model, pr, mode, plan.max_tokens), batch))
+        got = concurrently(lambda pr: one_request(url, model, pr, mode, plan.max_tokens), batch, conc)
     out: dict[str, Any] = {
         "got": got,
         "delta": merge_p_delta(counter_delta(before, scrape_counters(dep.decode.url)),
@@ -222,6 +235,7 @@ def run_rate(dep: Any, model: str, label: str, link_gbps: float | None, plan: Pl
                     for flow in plan.flows:  # side by side: the same cell through each flow's proxy
                         batch = prompts[n][: plan.repeats] if conc == 1 else prompts[n][:conc]
                         part = _run_batch(dep, urls[flow], model, mode, batch, conc, plan)
+                        dep.raise_if_exited(f"at link {label}, concurrency {conc}, {mode}: no results are written")
                         parts.setdefault((mode, n, flow), []).append(part)
                         ttfts = [r["ttft_s"] for r in part["got"] if r["error"] is None and r["ttft_s"] is not None]
                         progress.step(f"{label} conc {conc} {mode:<11} {n:>5} tok {flow:<10}"
