@@ -23,6 +23,7 @@ from lynx_connector.limits import PEER_HOST
 from lynx_connector.logger import init_logger
 from lynx_connector.transport import protocol as proto
 from lynx_connector.transport.events import ANCHOR, RESIDUAL
+from lynx_connector.transport.handshake import RateLimitedLog
 
 logger = init_logger(__name__)
 
@@ -69,6 +70,7 @@ class PeerLink:
                  key: bytes | None = None, extra_keys: tuple[bytes, ...] = ()) -> None:
         self.addr = addr
         self._ctx, self._poller, self._max_bytes = ctx, poller, max_message_bytes
+        self._send_log = RateLimitedLog()
         # insecure: an empty key, same protocol; a rotation's extra key is accepted from P, then spoken with it
         self._keys = (key if key is not None else b"", *extra_keys)
         self._key = self._keys[0]
@@ -167,8 +169,9 @@ class PeerLink:
             self.asked_at = now
         try:
             self.sock.send(frame, zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # a full queue: the message is re-sent by the sink's timers
-            logger.warning("side channel to %s: send failed: %s", self.name, exc)
+        except zmq.ZMQError as exc:  # a full queue: the message is re-sent by the sink's timers (the log: once
+            # per LOG_EVERY_S per link, a partitioned P with many pulls waiting would flood it)
+            self._send_log.warn("send", "to %s: send failed: %s", self.name, exc)
 
     def send(self, msg: proto.Message) -> None:
         """Send a message inside the session (sealed); before the handshake reached Auth, nothing is sent."""

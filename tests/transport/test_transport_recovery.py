@@ -751,3 +751,26 @@ def test_a_done_owed_to_a_closed_address_waits_for_the_next_handshake_there(fabr
     finally:
         sink.close()
         src.close()
+
+
+def test_send_failures_to_a_peer_that_is_not_there_are_logged_once_per_interval(caplog) -> None:
+    """A D whose P is partitioned or gone, with many pulls waiting: once zmq's queue to the unconnected peer is
+    full, every send fails. One warning per LOG_EVERY_S, not one per send (review: a flood)."""
+    import zmq
+
+    from lynx_connector.transport import link
+
+    ctx, poller = zmq.Context(), zmq.Poller()
+    with socket.socket() as s:  # a closed port on 127.0.0.1: nobody answers
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    peer = link.PeerLink(ctx, poller, ("127.0.0.1", port), 1 << 16, TEST_KEY)
+    try:
+        for _ in range(3000):  # past zmq's send queue (1000 messages by default): every later send fails
+            peer.hello("0" * 64)
+        said = [r for r in caplog.records if "send failed" in r.getMessage()]
+        assert len(said) == 1, len(said)
+        assert peer._send_log.suppressed >= 1000
+    finally:
+        peer.close()
+        ctx.term()
