@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lynx_connector.limits import MAX_SECONDS, advertised_host_problem
+from lynx_connector.limits import MAX_SECONDS, advertised_host_problem, bracketed
 from lynx_connector.logger import init_logger
 from lynx_connector.modes import (
     AUTO_MODE,
@@ -148,8 +148,9 @@ class LynxConfig:
     #: tokens do not fit in an allowed mode, naming the staging_mb that does, and P refuses a longer prompt in that
     #: mode before staging it (a 400 lynx_error).
     staging_mb: int = 256
-    #: P's side channel (zmq): the address P binds and tells D through kv_transfer_params (one D can reach: an
-    #: IPv4 address or a host name; a wildcard such as 0.0.0.0, a host:port, a URL or IPv6 is a start-up error).
+    #: P's side channel (zmq): the address P binds and tells D through kv_transfer_params (one D can reach: a
+    #: host name, an IPv4 address or an IPv6 one, bracketed or not; a wildcard such as 0.0.0.0 or ::, a host:port
+    #: or a URL is a start-up error).
     side_channel_host: str = "127.0.0.1"
     #: P's side-channel port (rank r of a TP group uses port + r); 0 picks a free port, told to D the same way.
     side_channel_port: int = 0
@@ -354,7 +355,7 @@ class LynxConfig:
                 kw[key] = _as_float(key, extra[key], minimum=lo, allow_none=key == "lease_s")
         if "side_channel_host" in extra:  # null is no address (an empty $(POD_IP) in a template): refused
             host = extra["side_channel_host"]
-            kw["side_channel_host"] = "" if _is_null(host) else str(host).strip()
+            kw["side_channel_host"] = "" if _is_null(host) else bracketed(str(host).strip())
         if not _is_null(extra.get("status_dir")):
             kw["status_dir"] = str(extra["status_dir"])
         for key in ("insecure_side_channel", "report_speculation", "layerwise"):

@@ -24,17 +24,24 @@ PEER_HOST = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-
 
 def advertised_host_problem(host: str) -> str | None:
     """Why ``host`` cannot be the side-channel address P binds and tells D, or None when it can: it must be one
-    address D connects to (not a wildcard such as ``0.0.0.0``, not a URL or ``host:port``), and IPv4 or a name
-    (P's zmq socket is not opened for IPv6)."""
+    address D connects to (not a wildcard such as ``0.0.0.0`` or ``[::]``, not a URL or ``host:port``): a host
+    name, an IPv4 address or an IPv6 address in brackets (:func:`bracketed` writes a bare one so)."""
     if not PEER_HOST.fullmatch(host):
-        return ("expected a host name or IPv4 address that D connects to (no scheme, no port: the port is "
-                "side_channel_port)")
-    if host.startswith("["):
-        return "IPv6 is not supported on the side channel: use an IPv4 address or a host name"
+        return ("expected a host name, an IPv4 address or an IPv6 address that D connects to (no scheme, no port: "
+                "the port is side_channel_port)")
     try:
-        addr = ipaddress.ip_address(host)
+        addr = ipaddress.ip_address(host[1:-1].split("%")[0] if host.startswith("[") else host)
     except ValueError:
-        return None
+        return "not an IPv6 address between the brackets" if host.startswith("[") else None
     if addr.is_unspecified:
         return "a wildcard address is where P listens, not one D can reach: use this host's address (e.g. the pod IP)"
     return None
+
+
+def bracketed(host: str) -> str:
+    """A bare IPv6 address (``fd00::5``, as ``$(POD_IP)`` expands in an IPv6 cluster) in brackets, as zmq's and
+    URLs' ``host:port`` need it; anything else unchanged."""
+    try:
+        return f"[{host}]" if ipaddress.ip_address(host.split("%")[0]).version == 6 else host
+    except ValueError:
+        return host

@@ -147,6 +147,7 @@ class TransferSource(SourceAnswers, SideChannelServer):
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot be delivered raises: counted, logged
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        self._sock.setsockopt(zmq.IPV6, 1)  # a bracketed IPv6 side_channel_host (IPv4 works as before)
         try:
             if config.port == 0:
                 return self._sock.bind_to_random_port(f"tcp://{config.host}")

@@ -32,12 +32,13 @@ def test_strings_are_parsed_as_numbers():
     ({"side_channel_host": "  "}, "side_channel_host"),
     ({"side_channel_host": None}, "side_channel_host"),  # was the host name "None"
     ({"side_channel_host": "null"}, "side_channel_host"),
-    # what P binds is also what it tells D: a wildcard, a URL, host:port or IPv6 (P's socket is IPv4) failed late
+    # what P binds is also what it tells D: a wildcard, a URL or host:port failed late
     ({"side_channel_host": "0.0.0.0"}, "side_channel_host.*wildcard"),
     ({"side_channel_host": "::"}, "side_channel_host"),
     ({"side_channel_host": "10.0.0.5:5600"}, "side_channel_host.*no port"),
     ({"side_channel_host": "tcp://10.0.0.5"}, "side_channel_host"),
-    ({"side_channel_host": "[fd00::5]"}, "side_channel_host.*IPv6"),
+    ({"side_channel_host": "[::]"}, "side_channel_host.*wildcard"),
+    ({"side_channel_host": "[fd00::zz]"}, "side_channel_host.*IPv6"),
     ({"codec_options": [1, 2]}, "codec_options"),
     ({"speculative_min_margin": -0.1}, "speculative_min_margin"),
     ({"speculative_min_margin": "inf"}, "speculative_min_margin"),
