@@ -226,7 +226,7 @@ async def _serve(state: _State, call: Call, request: web.Request, body: dict[str
                     raise
                 state.flows.fall_back(call.request_id, p_url, refusal)
             call.phase = "waiting for a prefill slot"
-            p_url = await state.prefill_slots.acquire(queue_end - loop.time())
+            p_url = await state.prefill_slots.acquire()  # a wait of its own: the refused call was no queueing
         try:
             params = await prefill(state.session, call, p_url, request, body, chat)
         finally:

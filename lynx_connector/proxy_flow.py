@@ -242,7 +242,8 @@ def _after_prefill(book: FlowBook, request_id: str, url: str, body: dict[str, An
     if exc is None:
         book.learn(url, body, task.result())
         return
-    if not isinstance(exc, Passthrough):  # P failed (not a refusal): its side channel may be gone
-        book.forget(url)
+    if isinstance(exc, Passthrough):  # P refused: relayed to the client, or the sequential way (fall_back)
+        return
+    book.forget(url)  # P failed: its side channel may be gone
     logger.info("request %s: prefill server %s failed in the pipelined flow (D's kv_load_failure_policy "
                 "applied): %s", request_id, url, getattr(exc, "detail", exc))
