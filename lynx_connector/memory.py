@@ -159,7 +159,8 @@ def machine_memory_bytes(limit_files: Sequence[str] = CGROUP_LIMIT_FILES) -> int
 
 def available_memory_bytes(cgroup_dir: str = "/sys/fs/cgroup") -> int:
     """Memory this process can still take: the machine's available memory, or what is left under its cgroup v2
-    limit when that is less (a container)."""
+    limit when that is less (a container). The cgroup's usage counts its working set, as kubelet does: its
+    inactive page cache (e.g. the weights just read) is reclaimed at the limit, so it is not in use."""
     import psutil
 
     available = int(psutil.virtual_memory().available)
@@ -169,8 +170,20 @@ def available_memory_bytes(cgroup_dir: str = "/sys/fs/cgroup") -> int:
     except OSError:
         return available
     if limit.isdigit() and current.isdigit():
-        available = min(available, max(0, int(limit) - int(current)))
+        used = int(current) - _inactive_file_bytes(Path(cgroup_dir, "memory.stat"))
+        available = min(available, max(0, int(limit) - max(used, 0)))
     return available
+
+
+def _inactive_file_bytes(stat: Path) -> int:
+    try:
+        for line in stat.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "inactive_file" and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        pass
+    return 0
 
 
 def check_staging_memory(staging_mb: int, pools: int, role: str, available: int | None = None) -> None:

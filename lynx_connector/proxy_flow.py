@@ -107,12 +107,16 @@ class FlowBook:
             return
         self.suspended[p_url] = time.monotonic() + SUSPEND_S
         skew = refusal.peer_clock_ahead_s
+        fix = _TICKET_FIX.get(reason, "Do the proxy and P run the same lynx-connector version?")
+        ttl = getattr(self.signer, "ttl_s", None)
+        if reason == "expired" and skew is not None and ttl is not None and skew < ttl / 2:
+            fix = ("The clocks agree: the request took longer than --params-ttl to reach P (P overloaded, or a "
+                   "--params-ttl too short for its queue).")
         logger.warning("request %s: prefill server %s refused the proxy's concurrent-flow ticket (%s%s): this "
                        "request and every request to that server for the next %gs go the sequential way (P signs "
                        "their params). %s", request_id, p_url, reason,
                        f"; its clock, by its HTTP Date header, is {skew:.0f} s ahead of the proxy's"
-                       if reason == "expired" and skew is not None else "", SUSPEND_S, _TICKET_FIX.get(
-                           reason, "Do the proxy and P run the same lynx-connector version?"))
+                       if reason == "expired" and skew is not None else "", SUSPEND_S, fix)
 
 
 _TICKET_FIX = {

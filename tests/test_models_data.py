@@ -313,3 +313,25 @@ def test_needle_found() -> None:
     assert data.needle_found("4696", " 4696.")
     assert not data.needle_found("4696", " 46961")
     assert not data.needle_found("4696", "no number")
+
+
+def test_prepare_syncs_the_conversion_before_it_is_renamed_in(clean_env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The marker must never stand beside weights a power loss truncated: every file and the folder are fsynced
+    before the rename that makes them the model."""
+    import os
+
+    clean_env.setenv("LYNX_MODEL_DIR", str(tmp_path / "m"))
+    calls: list[int] = []
+    clean_env.setattr(models, "_convert", _fake_convert(calls))
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        assert not (tmp_path / "m").exists()  # before the rename
+        real_fsync(fd)
+
+    clean_env.setattr(os, "fsync", fsync)
+    models.prepare()
+    names = {Path(p).name for p in synced}
+    assert {"config.json", models.MARKER} <= names and any(".m.tmp-" in Path(p).name for p in synced), synced

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Any
 
@@ -411,7 +412,8 @@ def test_p_refusing_the_proxys_own_ticket_sends_the_request_the_sequential_way(m
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "refused" in r.getMessage()]
     assert len(warnings) == 2 and all(f"({reason}" in w for w in warnings), warnings
     if reason == "expired":
-        assert "1000 s ahead of the proxy's" in warnings[0] and "NTP" in warnings[0], warnings[0]
+        # the Date header has whole seconds
+        assert re.search(r"(999|1000|1001) s ahead of the proxy's", warnings[0]) and "NTP" in warnings[0], warnings[0]
     else:
         assert "LYNX_SIDE_CHANNEL_KEY_FILE" in warnings[0], warnings[0]
 

@@ -406,7 +406,7 @@ class Deployment:
         return self.prefill.netns, NetnsPlan.dev("p", "d")
 
     def __enter__(self) -> Deployment:
-        atexit.register(self.stop)
+        atexit.register(self._stop_at_exit)
         if threading.current_thread() is threading.main_thread():  # a closed terminal (SIGHUP) stops it too
             self._old_handlers = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in STOP_SIGNALS}
         try:
@@ -456,10 +456,11 @@ class Deployment:
                 raise StartupFailed((s.name,), f"{s.name} server exited with code {s.proc.returncode} {during}; "
                                                f"last log lines ({s.log_path}):\n{s.log_tail()}")
 
-    def stop(self) -> None:
+    def stop(self, reraise: bool = True) -> None:
         """Stop every server at once (one grace period, not one each) and remove the namespaces. A Ctrl-C, SIGTERM
         or SIGHUP meanwhile does not interrupt it (a half-done stop left servers running): it cuts the grace
-        period short, killing them now."""
+        period short, killing them now, and is raised once the stop is done, unless it stopped an exception
+        already (the first Ctrl-C) or ``reraise`` is False (at exit)."""
         hurried: list[int] = []
         main = threading.current_thread() is threading.main_thread()
         if main:
@@ -479,7 +480,12 @@ class Deployment:
                 for sig, handler in {**during, **self._old_handlers}.items():
                     signal.signal(sig, handler)
                 self._old_handlers = {}
-        atexit.unregister(self.stop)
+        atexit.unregister(self._stop_at_exit)
+        if hurried and reraise and sys.exc_info()[0] is None:  # a Ctrl-C during a teardown nobody interrupted
+            raise KeyboardInterrupt(f"signal {hurried[0]}")  # (e.g. a failed start's): the caller stops too
+
+    def _stop_at_exit(self) -> None:
+        self.stop(reraise=False)
 
 
 class StartupFailed(RuntimeError):

@@ -110,7 +110,7 @@ class PeerLink:
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self._max_bytes)
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        sock.setsockopt(zmq.IPV6, 1)  # an IPv6 P ([fd00::5], or a name with only an AAAA record)
+        sock.setsockopt(zmq.IPV6, int(self.addr[0].startswith("[")))  # an IPv6 P; a name stays IPv4 as before
         # zmq re-establishes a dropped TCP connection by itself, silently: the monitor tells D, which must then
         # handshake again before trusting any answer (P may have restarted on the same address); it also tells D
         # when zmq's attempts to connect fail at once (nothing listens on P's port: that P process is gone)

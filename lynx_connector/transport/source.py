@@ -147,7 +147,8 @@ class TransferSource(SourceAnswers, SideChannelServer):
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply that cannot be delivered raises: counted, logged
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-        self._sock.setsockopt(zmq.IPV6, 1)  # a bracketed IPv6 side_channel_host (IPv4 works as before)
+        # only for an IPv6 address: with IPV6 on, zmq may resolve a dual-stack name to a broken IPv6 route
+        self._sock.setsockopt(zmq.IPV6, int(config.host.startswith("[")))
         try:
             if config.port == 0:
                 return self._sock.bind_to_random_port(f"tcp://{config.host}")

@@ -131,5 +131,8 @@ def test_available_memory_is_the_cgroup_remainder_when_lower(tmp_path) -> None:
     (tmp_path / "memory.max").write_text("1073741824\n")
     (tmp_path / "memory.current").write_text("805306368\n")
     assert memory.available_memory_bytes(str(tmp_path)) == 256 << 20
+    # the weights just read sit in the cgroup's page cache: reclaimable, so not in use (review: a start refused)
+    (tmp_path / "memory.stat").write_text("anon 268435456\nfile 536870912\ninactive_file 402653184\n")
+    assert memory.available_memory_bytes(str(tmp_path)) == 640 << 20
     (tmp_path / "memory.max").write_text("max\n")
     assert memory.available_memory_bytes(str(tmp_path)) > 256 << 20

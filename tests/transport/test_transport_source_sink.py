@@ -489,4 +489,3 @@ def test_an_abort_the_stuck_service_thread_never_acknowledged_quarantines_the_st
     finally:
         release.set()
         sink.close()
-
