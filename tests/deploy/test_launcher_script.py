@@ -83,16 +83,24 @@ def test_runs_asks_and_tears_down(tmp_path: Path) -> None:
     _assert_all_gone(pids)
 
 
-def test_sigterm_while_kept_up_tears_down(tmp_path: Path) -> None:
-    env = _setup(tmp_path, KEEP="1")
+def _kept_up(env: dict[str, str]) -> subprocess.Popen:
+    """The script with KEEP=1, once it says the deployment is up."""
     proc = subprocess.Popen(["bash", str(SCRIPT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
+    end = time.monotonic() + 60
+    for line in proc.stdout:  # type: ignore[union-attr]
+        if "Ctrl-C stops everything" in line:
+            return proc
+        if time.monotonic() > end:
+            break
+    proc.kill()
+    raise AssertionError("the script did not say the deployment was up")
+
+
+def test_sigterm_while_kept_up_tears_down(tmp_path: Path) -> None:
+    env = _setup(tmp_path, KEEP="1")
+    proc = _kept_up(env)
     try:
-        end = time.monotonic() + 60
-        for line in proc.stdout:  # type: ignore[union-attr]
-            if "Ctrl-C stops everything" in line:
-                break
-            assert time.monotonic() < end
         pids = _all_pids(tmp_path)
         assert len(pids) == 6
         proc.send_signal(signal.SIGTERM)
@@ -149,14 +157,8 @@ def test_a_second_signal_during_teardown_kills_at_once(tmp_path: Path, first: in
     at once, and the script still says it stopped (review: the second signal killed the script mid-teardown and
     left the servers running). A closed terminal (SIGHUP) stops everything too."""
     env = _setup(tmp_path, KEEP="1", STUB_IGNORE_TERM="1")
-    proc = subprocess.Popen(["bash", str(SCRIPT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = _kept_up(env)
     try:
-        end = time.monotonic() + 60
-        for line in proc.stdout:  # type: ignore[union-attr]
-            if "Ctrl-C stops everything" in line:
-                break
-            assert time.monotonic() < end
         pids = _all_pids(tmp_path)
         proc.send_signal(first)
         time.sleep(1.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -422,15 +423,8 @@ def test_a_connect_that_zmq_still_refuses_fails_that_pull_only(pair, monkeypatch
     assert poller.sockets == []
 
 
-def test_close_leaves_a_stuck_service_thread_its_sockets(fabric: FakeFabric, caplog: pytest.LogCaptureFixture) -> None:
-    """A sink whose service thread does not stop (here one scheduler step blocks, standing in for a NIXL call
-    that hangs) is not torn down under it: close() warns and returns; its sockets, NIXL agent and zmq context
-    are closed once the thread stops (zmq sockets are not thread-safe: before, they were closed under the live
-    thread; a context left open instead hangs whoever garbage-collects it, in term())."""
-    import threading
-
-    nixl = FakeNixlWrapper(fabric, "D")
-    sink = TransferSink(TransportConfig(pool_bytes=1 << 20, key=TEST_KEY), COMPAT, nixl=nixl)
+def _blocking_step(sink: TransferSink) -> tuple[threading.Event, threading.Event]:
+    """The sink's next scheduler step blocks (a NIXL call that hangs) until ``release`` is set: (entered, release)."""
     entered, release = threading.Event(), threading.Event()
     real_step = sink._sched.step
 
@@ -441,6 +435,18 @@ def test_close_leaves_a_stuck_service_thread_its_sockets(fabric: FakeFabric, cap
         return real_step()
 
     sink._sched.step = blocking_step
+    return entered, release
+
+
+def test_close_leaves_a_stuck_service_thread_its_sockets(fabric: FakeFabric, caplog: pytest.LogCaptureFixture) -> None:
+    """A sink whose service thread does not stop (here one scheduler step blocks, standing in for a NIXL call
+    that hangs) is not torn down under it: close() warns and returns; its sockets, NIXL agent and zmq context
+    are closed once the thread stops (zmq sockets are not thread-safe: before, they were closed under the live
+    thread; a context left open instead hangs whoever garbage-collects it, in term())."""
+    nixl = FakeNixlWrapper(fabric, "D")
+    sink = TransferSink(TransportConfig(pool_bytes=1 << 20, key=TEST_KEY), COMPAT, nixl=nixl)
+    entered, release = _blocking_step(sink)
+
     sink._waker.wake()
     assert entered.wait(5.0)
     try:
@@ -459,23 +465,12 @@ def test_an_abort_the_stuck_service_thread_never_acknowledged_quarantines_the_st
     know whether the request's reads were still in flight, so ``free_staging`` keeps its regions out of reuse for
     ``lease_grace_s`` as for a torn pull (before: they went back to the free list at once, where a late read could
     land in the next request's staging)."""
-    import threading
-
     nixl = FakeNixlWrapper(fabric, "D")
     sink = TransferSink(TransportConfig(pool_bytes=1 << 20, key=TEST_KEY, timeout_s=0.2), COMPAT, nixl=nixl)
-    entered, release = threading.Event(), threading.Event()
-    real_step = sink._sched.step
-
-    def blocking_step():  # noqa: ANN202
-        if not entered.is_set():
-            entered.set()
-            release.wait(30.0)
-        return real_step()
-
+    entered, release = _blocking_step(sink)
     try:
         sink.pool.alloc_request("d1", 4096, 0)
         sink.pool.alloc_request("d2", 4096, 0)
-        sink._sched.step = blocking_step
         sink._waker.wake()
         assert entered.wait(5.0)
         sink.abort("d1")
