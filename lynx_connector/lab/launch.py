@@ -545,8 +545,10 @@ def main(argv: list[str] | None = None) -> int:
     dep = Deployment(args.model, Path(args.log_dir), kv_transfer_config=args.kv_transfer_config,
                      startup_timeout=args.startup_timeout, netns=args.netns, link_mbit=args.link_mbit,
                      max_model_len=args.max_model_len, extra_serve_args=extra)
+    up = False
     try:
         with dep:
+            up = True
             for s in dep.servers:  # process groups: each server's pid is its group's
                 assert s.proc is not None
                 sys.stdout.write(f"{s.name} at {s.url} (pid {s.proc.pid}, log {s.log_path})\n")
@@ -557,9 +559,9 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(1.0)
             logger.error("a server exited; stopping the deployment (logs in %s)", dep.log_dir)
             return 1
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted; servers stopped\n")
-        return 130
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: once everything was up, the way to stop it (exit 0)
+        sys.stderr.write("servers stopped\n" if up else "interrupted during start-up; servers stopped\n")
+        return 0 if up else 130
 
 
 if __name__ == "__main__":

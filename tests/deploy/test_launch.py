@@ -175,3 +175,23 @@ def test_a_server_that_exits_is_named(tmp_path: Path) -> None:
         assert exc.value.servers == ("decode",)
     finally:
         dep.stop()
+
+
+def test_the_launcher_interrupted_during_start_up_exits_130(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Interrupted before everything was up, the launcher says so and exits 130 (review: exit 0, silent); stopped
+    once up (SIGTERM: tests/deploy/test_examples_real.py) it exits 0, the normal way to stop it."""
+
+    class Interrupted:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def __enter__(self):
+            raise KeyboardInterrupt
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+    monkeypatch.setattr(launch, "Deployment", Interrupted)
+    assert launch.main(["MODEL", "--log-dir", str(tmp_path)]) == 130
+    assert "interrupted during start-up; servers stopped" in capsys.readouterr().err
