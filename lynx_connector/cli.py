@@ -73,8 +73,9 @@ def _add_bench(subparsers: Any, load: bool) -> None:
 
 def _bench_runner(module: ModuleType) -> Any:
     def run(args: argparse.Namespace) -> int:
-        module.run(args)  # the module prints its own report and writes --out; the dict is for callers
-        return 0
+        result = module.run(args)  # the module prints its own report and writes --out; the dict is for callers
+        status = getattr(module, "exit_status", None)  # a bench whose results can fail (load: a request lost)
+        return status(result) if status is not None else 0
 
     return run
 

@@ -61,6 +61,9 @@ def test_bench_module_is_used(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
     assert cli.main(["bench", "codec", "--tokens", "7"]) == 0
     assert seen == {"tokens": 7}
     assert capsys.readouterr().out == ""  # the module prints its own report
+    # a bench whose results can fail says so in its exit status (lynx bench load with a request lost exited 0)
+    fake.exit_status = lambda result: 1 if result["rows"] == [] else 0  # type: ignore[attr-defined]
+    assert cli.main(["bench", "codec"]) == 1
 
 
 def test_demo_and_prepare_model(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],

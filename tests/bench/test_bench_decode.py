@@ -67,3 +67,16 @@ def test_cli_needs_the_baseline_and_valid_batches() -> None:
         decode.run(parser.parse_args(["decode", "--configs", "lynx:speculative"]))
     with pytest.raises(SystemExit, match="batch sizes"):
         decode.run(parser.parse_args(["decode", "--batches", "1,16"]))
+
+
+def test_a_server_that_exits_mid_run_stops_the_bench_naming_it() -> None:
+    """A decode server that died left every later cell n/a in a table that looked complete: now its name, exit code
+    and log tail end the run."""
+    from types import SimpleNamespace
+
+    alive = SimpleNamespace(proc=SimpleNamespace(poll=lambda: None), log_path="a.log", log_tail=lambda n: "")
+    dead = SimpleNamespace(proc=SimpleNamespace(poll=lambda: -9, returncode=-9), log_path="d.log",
+                           log_tail=lambda n: "Killed")
+    decode._raise_if_exited({"vllm": alive}, "in round 0")
+    with pytest.raises(RuntimeError, match=r"server lynx:speculative exited with code -9 in round 0(.|\n)*Killed"):
+        decode._raise_if_exited({"vllm": alive, "lynx:speculative": dead}, "in round 0")

@@ -58,3 +58,29 @@ def test_an_unreadable_deployment_is_not_idle_and_one_failure_is_never_100_perce
     cfg = {"kv_transfer_config": "lynx", "proxy_args": [], "modes": ["full"], "words": [1, 2], "max_tokens": 4}
     md = load.markdown({"phases": [summary], "idle_after": {"soak": {"idle": True}}, "config": cfg, "samples": []})
     assert "99.995%" in md and "100.0%" not in md
+
+
+def test_a_server_that_exits_ends_the_load_run_and_fails_it() -> None:
+    """A dead P or D made every later request fail and the run still exited 0 through ``lynx bench load``: the
+    phase's end names the server (its code and log tail), the table says so, the exit status is 1."""
+    from types import SimpleNamespace
+
+    from lynx_connector.lab.bench import load
+    from lynx_connector.lab.launch import StartupFailed
+
+    def dead(during: str) -> None:
+        raise StartupFailed(("decode",), f"decode server exited with code -9 {during}; last log lines (d.log):\nOOM")
+
+    assert load.server_exited(SimpleNamespace(raise_if_exited=lambda during: None), "burst32") is None
+    said = load.server_exited(SimpleNamespace(raise_if_exited=dead), "burst32")
+    assert said is not None and said.startswith("decode server exited with code -9 by the end of burst32")
+    rows = [{"ok": True, "ttft_s": 0.1, "e2e_s": 0.2, "error": None}]
+    summary = load.summarize("burst32", rows)
+    cfg = {"kv_transfer_config": "lynx", "proxy_args": [], "modes": ["full"], "words": [1, 2], "max_tokens": 4}
+    result = {"phases": [summary], "idle_after": {"burst32": {"idle": True}}, "config": cfg, "samples": [],
+              "server_exited": said}
+    assert "A server exited" in load.markdown(result) and "code -9" in load.markdown(result)
+    assert load.exit_status(result) == 1
+    assert load.exit_status({**result, "server_exited": None}) == 0
+    assert load.exit_status({**result, "server_exited": None,
+                             "phases": [load.summarize("burst32", [{**rows[0], "ok": False}])]}) == 1

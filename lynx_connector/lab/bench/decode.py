@@ -174,8 +174,7 @@ def _wait_healthy(servers: dict[str, Any], timeout: float) -> None:
     pending = dict(servers)
     while pending:
         for name, s in list(pending.items()):
-            if s.proc is not None and s.proc.poll() is not None:
-                raise RuntimeError(f"server {name} exited during start-up; its log {s.log_path}:\n{s.log_tail(15)}")
+            _raise_if_exited({name: s}, "during start-up")
             try:
                 with urllib.request.urlopen(s.url + "/health", timeout=2) as resp:
                     if resp.status == 200:
@@ -185,6 +184,14 @@ def _wait_healthy(servers: dict[str, Any], timeout: float) -> None:
         if pending and time.monotonic() > deadline:
             raise TimeoutError(f"servers {sorted(pending)} not healthy after {timeout:.0f} s")
         time.sleep(1.0)
+
+
+def _raise_if_exited(servers: dict[str, Any], during: str) -> None:
+    """A server whose process exited voids the measurements: its name, code and log tail, not a table of n/a."""
+    for name, s in servers.items():
+        if s.proc is not None and s.proc.poll() is not None:
+            raise RuntimeError(f"server {name} exited with code {s.proc.returncode} {during}; its log "
+                               f"{s.log_path}:\n{s.log_tail(15)}")
 
 
 def _measure(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[float]], int]:
@@ -239,6 +246,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for name in rotated(configs, rnd):
                 for b in batches:
                     times, errors = _measure(servers[name].url, model, prompts[:b], args.max_tokens)
+                    if errors:
+                        _raise_if_exited(servers, f"in round {rnd}, {name} batch {b}: no results are written")
                     tps = None if errors else batch_throughput(times)
                     measurements.append({"round": rnd, "config": name, "batch": b, "tokens_per_s": tps,
                                          "step_s": step_times(times), "errors": errors, "loadavg": common.loadavg()})

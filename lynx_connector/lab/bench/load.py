@@ -264,6 +264,9 @@ def markdown(result: dict[str, Any]) -> str:
     if mem:
         lines.append(f"Server memory (process trees, MB): P {mem.get('p_first')} -> {mem.get('p_last')}, "
                      f"D {mem.get('d_first')} -> {mem.get('d_last')} (first and last sample).")
+    if result.get("server_exited"):
+        lines.append(f"**A server exited; the phases after it were not run:** "
+                     f"{result['server_exited'].splitlines()[0]}")
     for s in result["phases"]:
         for e in s["errors"]:
             lines.append(f"- {s['phase']} error: `{e}`")
@@ -329,6 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     requests: list[dict[str, Any]] = []
     phases: list[dict[str, Any]] = []
     idle_after: dict[str, Any] = {}
+    exited: str | None = None  # a server that died: the phases after it are not run
     with Deployment(model, log_dir, kv_transfer_config=kv_cfg, max_model_len=args.max_model_len,
                     extra_serve_args=serve, proxy_args=proxy_args) as dep:
         warm = make_prompts(len(modes), (lo, lo), seed=1)
@@ -344,7 +348,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 phases.append(summarize(label, rows))
                 idle_after[label] = wait_idle(sampler)
                 write(f"[load] {label}: {phases[-1]['answered']}/{n} answered; idle after: {idle_after[label]['idle']}")
-            if args.duration > 0:
+                if (exited := server_exited(dep, label)) is not None:
+                    break
+            if args.duration > 0 and exited is None:
                 write(f"[load] soak: {args.rate:g} requests/s for {args.duration:g}s")
                 rows = run_soak(dep.url, model, make_prompts(64, (lo, hi), seed=7), modes, args, t0)
                 requests += rows
@@ -352,6 +358,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 idle_after["soak"] = wait_idle(sampler)
                 write(f"[load] soak: {phases[-1]['answered']}/{len(rows)} answered; "
                       f"idle after: {idle_after['soak']['idle']}")
+                exited = server_exited(dep, "soak")
             samples = sampler.samples
     mem: dict[str, Any] = {}
     for side in ("p", "d"):
@@ -364,6 +371,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "words": [lo, hi], "max_tokens": args.max_tokens, "bursts": bursts, "rate": args.rate,
                    "duration_s": args.duration, "request_timeout_s": args.request_timeout},
         "phases": phases, "idle_after": idle_after, "memory_mb": mem, "samples": samples, "requests": requests,
+        "server_exited": exited,
     }
     record_environment(result, env0)
     table = markdown(result)
@@ -375,6 +383,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         png = plot(result, out.with_suffix(".png"))
         write(f"[load] wrote {out}, {out.with_suffix('.md')}" + (f", {png}" if png else ""))
     return result
+
+
+def exit_status(result: dict[str, Any]) -> int:
+    """0 when every request was answered and no server exited (what ``lynx bench load`` exits with)."""
+    ok = not result.get("server_exited") and all(s["answered"] == s["requests"] for s in result["phases"])
+    return 0 if ok else 1
+
+
+def server_exited(dep: Any, phase: str) -> str | None:
+    """What ``Deployment.raise_if_exited`` says of a server that exited by the end of ``phase`` (its code and log
+    tail), else None: the load bench's question is whether the pair survives, so a death ends the run."""
+    from lynx_connector.lab.launch import StartupFailed
+
+    try:
+        dep.raise_if_exited(f"by the end of {phase}")
+    except StartupFailed as exc:
+        write(f"[load] {exc}")
+        return str(exc)
+    return None
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -403,8 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lynx_connector.lab.bench.load")
     sub = parser.add_subparsers(dest="bench", required=True)
     add_parser(sub)
-    result = run(parser.parse_args(["load", *(argv if argv is not None else sys.argv[1:])]))
-    return 0 if all(s["answered"] == s["requests"] for s in result["phases"]) else 1
+    return exit_status(run(parser.parse_args(["load", *(argv if argv is not None else sys.argv[1:])])))
 
 
 if __name__ == "__main__":

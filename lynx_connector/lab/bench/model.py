@@ -227,7 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lynx_connector.lab.bench.model")
     sub = parser.add_subparsers(dest="bench", required=True)
     add_parser(sub)
-    result = run(parser.parse_args(["model", *(argv if argv is not None else sys.argv[1:])]))
+    return exit_status(run(parser.parse_args(["model", *(argv if argv is not None else sys.argv[1:])])))
+
+
+def exit_status(result: dict[str, Any]) -> int:
+    """0 when the paper check passed (what ``lynx bench model`` exits with)."""
     return 0 if result["check_passed"] else 1
 
 
