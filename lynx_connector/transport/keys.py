@@ -30,6 +30,9 @@ KEY_FILE_ENV = "LYNX_SIDE_CHANNEL_KEY_FILE"
 EXTRA_KEY_ENV = "LYNX_SIDE_CHANNEL_EXTRA_KEY"
 EXTRA_KEY_FILE_ENV = "LYNX_SIDE_CHANNEL_EXTRA_KEY_FILE"
 MIN_KEY_BYTES = 32
+#: Fewer distinct byte values than this is a placeholder (zeros, spaces, one repeated character), not random bytes:
+#: 32 random bytes take fewer than 8 values with a probability below 1e-35.
+MIN_DISTINCT_BYTES = 8
 _HOW = (f"set {KEY_FILE_ENV} to a file holding the deployment key (e.g. a mounted k8s Secret) or {KEY_ENV} to "
         f"the key as hex, >= {MIN_KEY_BYTES} random bytes (e.g. `openssl rand -hex 32`), the same on every prefill "
         "and decode instance; or, for local tests only, set insecure_side_channel: true in "
@@ -68,8 +71,16 @@ def parse_key_text(data: bytes, origin: str, how: str = _HOW) -> bytes:
         raise SideChannelKeyError(f"{origin}: hex key has an odd number of digits; {how}") from None
     if key is None:
         key = bytes(data)
+    return _checked(key, origin, how)
+
+
+def _checked(key: bytes, origin: str, how: str) -> bytes:
+    """``key`` when it is long enough and not a placeholder; else the error naming ``origin`` (never the key)."""
     if len(key) < MIN_KEY_BYTES:
         raise SideChannelKeyError(f"{origin}: key has {len(key)} bytes, at least {MIN_KEY_BYTES} are required; {how}")
+    if len(set(key)) < MIN_DISTINCT_BYTES:
+        raise SideChannelKeyError(f"{origin}: key's {len(key)} bytes take only {len(set(key))} distinct values: a "
+                                  f"placeholder (zeros, blanks), not random bytes; {how}")
     return key
 
 
@@ -121,6 +132,4 @@ def _read_key(env: Mapping[str, str], file_var: str, hex_var: str, how: str) -> 
         key = None
     if key is None:
         raise SideChannelKeyError(f"{hex_var} is not valid hex; {how}")
-    if len(key) < MIN_KEY_BYTES:
-        raise SideChannelKeyError(f"{hex_var} has {len(key)} bytes, at least {MIN_KEY_BYTES} are required; {how}")
-    return key
+    return _checked(key, hex_var, how)

@@ -1,6 +1,7 @@
 """Scheduler half in isolation, with small fakes for vLLM's Request / KVCacheBlocks / KVCacheManager.
 The real thing runs in tests/integration (two real engines exchanging KV)."""
 
+import secrets
 from types import SimpleNamespace
 
 import pytest
@@ -489,7 +490,7 @@ def test_insecure_deployments_sign_with_the_empty_key(monkeypatch):
     ParamsSigner(None, 60).verify(params)  # the empty key: forgeable by anyone (docs: local tests only)
     d, _ = make_sched(insecure_side_channel=True)
     assert d.get_num_new_matched_tokens(req("d-i", 64, dict(params)), 0) == (64, True)
-    monkeypatch.setenv("LYNX_SIDE_CHANNEL_KEY", "ab" * 32)
+    monkeypatch.setenv("LYNX_SIDE_CHANNEL_KEY", secrets.token_hex(32))
     secure, _ = make_sched()  # a keyed D refuses what an insecure P signed
     _refused_locally(secure, req("d-i2", 64, dict(params)), "bad_signature")
 

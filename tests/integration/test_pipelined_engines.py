@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -51,7 +52,7 @@ def dep(tmp_path_factory, model):
     d.prefill.argv += ["--shutdown-timeout", "60"]  # SIGTERM drains (the last test stops P that way)
     seq = d.add_proxy("proxy-sequential", ["--flow", "sequential"])
     other_key = d.add_proxy("proxy-other-key", ["--flow", "pipelined"])  # misconfigured: not the deployment's key
-    other_key.env["LYNX_SIDE_CHANNEL_KEY"] = "ab" * 32
+    other_key.env["LYNX_SIDE_CHANNEL_KEY"] = secrets.token_hex(32)
     with d:
         pair = Pair(d, status, model)
         pair.seq_url = seq.url  # type: ignore[attr-defined]

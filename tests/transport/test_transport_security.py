@@ -398,17 +398,32 @@ def test_missing_short_or_malformed_key_is_a_clear_start_up_error(tmp_path) -> N
             load_side_channel_key(environ=env)
         assert KEY_ENV in str(err.value) and KEY_FILE_ENV in str(err.value)
         assert "insecure_side_channel" in str(err.value)
-    assert load_side_channel_key(environ={KEY_ENV: "ab" * 32}) == bytes.fromhex("ab" * 32)
-    (tmp_path / "key").write_text("cd" * 32 + "\n")
+    env_key, file_key = bytes(range(32)), bytes(range(100, 132))
+    assert load_side_channel_key(environ={KEY_ENV: env_key.hex()}) == env_key
+    (tmp_path / "key").write_text(file_key.hex() + "\n")
     (tmp_path / "raw").write_bytes(bytes(range(200, 240)))
-    env = {KEY_FILE_ENV: str(tmp_path / "key"), KEY_ENV: "ab" * 32}  # the file wins
-    assert load_side_channel_key(environ=env) == bytes.fromhex("cd" * 32)
+    env = {KEY_FILE_ENV: str(tmp_path / "key"), KEY_ENV: env_key.hex()}  # the file wins
+    assert load_side_channel_key(environ=env) == file_key
     assert load_side_channel_key(environ={KEY_FILE_ENV: str(tmp_path / "raw")}) == bytes(range(200, 240))
     (tmp_path / "short").write_bytes(b"0123")
     with pytest.raises(SideChannelKeyError, match="at least 32"):
         load_side_channel_key(environ={KEY_FILE_ENV: str(tmp_path / "short")})
     with pytest.raises(ValueError, match="key"):
         TransportConfig(key=b"short")
+
+
+
+@pytest.mark.parametrize("placeholder", ["00" * 32, "ab" * 32, "0123" * 16, " " * 40, "\n" * 40, "x" * 32])
+def test_a_placeholder_key_is_refused(tmp_path, placeholder) -> None:
+    """A key file of blanks, or a key of zeros or one repeated pattern, was accepted as the deployment key: anyone
+    could sign params and pass the handshake with it. The error names where the key came from, never the key."""
+    (tmp_path / "key").write_bytes(placeholder.encode())
+    with pytest.raises(SideChannelKeyError, match="distinct values: a placeholder") as err:
+        load_side_channel_key(environ={KEY_FILE_ENV: str(tmp_path / "key")})
+    assert str(tmp_path / "key") in str(err.value)
+    if placeholder.strip() and all(c in "0123456789abcdef" for c in placeholder):
+        with pytest.raises(SideChannelKeyError, match=f"{KEY_ENV}: key's 32 bytes take only"):
+            load_side_channel_key(environ={KEY_ENV: placeholder})
 
 
 def test_a_key_file_of_hex_text_is_read_as_the_variable_reads_it(tmp_path) -> None:
@@ -544,14 +559,15 @@ def test_key_rotation_d_accepts_a_p_proving_its_extra_key(fabric: FakeFabric, si
 
 def test_extra_key_is_read_like_the_key_and_off_in_insecure_mode(tmp_path) -> None:
     assert load_extra_keys(environ={}) == ()
-    assert load_extra_keys(environ={EXTRA_KEY_ENV: "ab" * 32}) == (bytes.fromhex("ab" * 32),)
-    (tmp_path / "next").write_text("0x" + "cd" * 32 + "\n")
-    env = {EXTRA_KEY_FILE_ENV: str(tmp_path / "next"), EXTRA_KEY_ENV: "ab" * 32}  # the file wins
-    assert load_extra_keys(environ=env) == (bytes.fromhex("cd" * 32),)
+    ab, cd = bytes(range(32)), bytes(range(64, 96))
+    assert load_extra_keys(environ={EXTRA_KEY_ENV: ab.hex()}) == (ab,)
+    (tmp_path / "next").write_text("0x" + cd.hex() + "\n")
+    env = {EXTRA_KEY_FILE_ENV: str(tmp_path / "next"), EXTRA_KEY_ENV: ab.hex()}  # the file wins
+    assert load_extra_keys(environ=env) == (cd,)
     assert load_extra_keys(insecure=True, environ=env) == ()
-    for bad in ({EXTRA_KEY_ENV: "ab" * 31}, {EXTRA_KEY_ENV: "zz" * 32}, {EXTRA_KEY_FILE_ENV: str(tmp_path / "nope")}):
+    for bad in ({EXTRA_KEY_ENV: ab.hex()[:-2]}, {EXTRA_KEY_ENV: "zz" * 32}, {EXTRA_KEY_FILE_ENV: str(tmp_path / "nope")}):
         with pytest.raises(SideChannelKeyError, match="LYNX_SIDE_CHANNEL_EXTRA_KEY"):
             load_extra_keys(environ=bad)
     # the deployment key is still required: an extra key alone is no key
     with pytest.raises(SideChannelKeyError, match="no side-channel key"):
-        load_side_channel_key(environ={EXTRA_KEY_ENV: "ab" * 32})
+        load_side_channel_key(environ={EXTRA_KEY_ENV: ab.hex()})
