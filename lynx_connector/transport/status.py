@@ -9,8 +9,10 @@ readers (:func:`writer_alive`) skip the files of writers that no longer run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,10 +46,18 @@ class StatusWriter:
         self._next = now + STATUS_INTERVAL_S
         try:
             body = {"time": time.time(), "pid": os.getpid(), **self._collect()}
-            tmp = f"{self.path}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(body, f, default=str)
-            os.replace(tmp, self.path)
+            # a fresh name (O_EXCL): a fixed one in a shared status_dir could be a planted link to another file
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path) or ".",
+                                       prefix=f".{os.path.basename(self.path)}.")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(body, f, default=str)
+                os.chmod(tmp, 0o644)  # readable like the file it replaces (mkstemp makes it 0600)
+                os.replace(tmp, self.path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
         except Exception as exc:  # observability must never break the transport
             if not self._warned:
                 logger.warning("lynx: cannot write status file %s: %s", self.path, exc)

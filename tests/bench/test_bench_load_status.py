@@ -41,6 +41,19 @@ def test_writer_names_its_pid(tmp_path):
     assert writer_alive({"source": {}})  # a file without a pid (older writer) counts as live
 
 
+def test_the_writer_never_follows_a_planted_link(tmp_path):
+    """The temporary file had a fixed name (``<file>.tmp``): in a status_dir others can write to, a link planted at
+    that name made the writer overwrite the file it pointed to."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    path = tmp_path / "w.json"
+    os.symlink(victim, f"{path}.tmp")
+    StatusWriter(str(path), lambda: {"source": {}}).maybe_write()
+    assert victim.read_text() == "keep" and json.loads(path.read_text())["pid"] == os.getpid()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["victim", "w.json", "w.json.tmp"]  # no temporary left
+    assert os.stat(path).st_mode & 0o777 == 0o644
+
+
 def test_an_unreadable_deployment_is_not_idle_and_one_failure_is_never_100_percent():
     """A P, D or proxy that cannot be read gave empty readings, which read as idle ("idle after: yes"); the
     success rate was rounded to 4 decimals before the exit status was judged on it."""
