@@ -159,6 +159,10 @@ def _server_urls(option: str, urls: list[str]) -> list[str]:
         if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or port == 0 \
                 or parts.query or parts.fragment:
             raise ValueError(f"{option} {raw!r}: expected host:port or http(s)://host:port[/path]")
+        if parts.username is not None or parts.password is not None:  # the message must not repeat them
+            raise ValueError(f"{option} {parts.scheme}://{parts.hostname}:{port}: a URL with credentials "
+                             "(user:password@) is refused: it would be logged and shown by /health; the proxy "
+                             "forwards the client's Authorization header (vLLM's --api-key) instead")
         if url in out:
             raise ValueError(f"{option} {raw!r}: names the same server as {url!r} already given")
         out.append(url)
@@ -285,7 +289,8 @@ async def _handle_generate(request: web.Request, chat: bool) -> web.StreamRespon
         logger.warning("request %s refused: %s", rid, e)
         return error_response(503, "server overloaded, retry later", rid)
     except Passthrough as e:
-        logger.info("request %s: %s, relayed to the client: %s", rid, e, e.body[:300].decode(errors="replace"))
+        logger.info("request %s: %s, relayed to the client", rid, e)  # its body may quote the prompt: DEBUG
+        logger.debug("request %s: the relayed body: %s", rid, e.body[:300].decode(errors="replace"))
         return e.response()
     except ProxyError as e:
         logger.warning("request %s failed: %s", rid, e.detail)

@@ -104,12 +104,26 @@ class ProxyError(Exception):
         return error_response(self.status, self.message, request_id)
 
 
+def _error_kind(body: bytes) -> str:
+    """`` (BadRequestError, param x)`` from a vLLM error body: what a log may say of it (its message may quote
+    the prompt)."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    if not isinstance(error, dict):
+        return ""
+    kind = [str(error[k])[:80] for k in ("type",) if error.get(k)]
+    kind += [f"param {str(error['param'])[:80]}"] if error.get("param") else []
+    return f" ({', '.join(kind)})" if kind else ""
+
+
 class Passthrough(Exception):
     """A P or D error answer (4xx) relayed to the client unchanged: status, body bytes and content type."""
 
     def __init__(self, side: str, status: int, body: bytes, content_type: str,
                  ticket_refused: str | None = None, peer_clock_ahead_s: float | None = None) -> None:
-        super().__init__(f"{side} answered HTTP {status}")
+        super().__init__(f"{side} answered HTTP {status}{_error_kind(body)}")
         self.side = side
         self.status = status
         self.body = body

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from lynx_connector import cli
@@ -34,6 +36,28 @@ BASE = {"prefill": ["127.0.0.1:8100"], "decode": ["127.0.0.1:8200"]}
 def test_bad_values_name_their_option(change: dict, option: str) -> None:
     with pytest.raises(ValueError, match=option):
         ProxyConfig(**{**BASE, **change})
+
+
+def test_a_url_with_credentials_is_refused_without_repeating_them() -> None:
+    """``http://ops:s3cret@host`` worked (aiohttp's basic auth) and showed the password in the logs and in every
+    client's /health answer."""
+    for url in ("http://ops:s3cret@127.0.0.1:8100", "ops:s3cret@127.0.0.1:8100", "http://s3cret@127.0.0.1:8100"):
+        with pytest.raises(ValueError, match="--prefill http://127.0.0.1:8100: a URL with credentials") as err:
+            ProxyConfig(**{**BASE, "prefill": [url]})
+        assert "s3cret" not in str(err.value)
+
+
+def test_a_relayed_error_names_its_kind_but_not_its_body() -> None:
+    """P's or D's 4xx is logged at INFO when relayed; vLLM's validation errors quote the offending input (a chat
+    message: the user's text), so the line names the error's type and param, and the body is left to DEBUG."""
+    from lynx_connector.proxy_http import Passthrough
+
+    body = json.dumps({"error": {"message": "Input should be a valid list [input_value='my secret prompt']",
+                                 "type": "BadRequestError", "param": "messages", "code": 400}}).encode()
+    assert str(Passthrough("decode", 400, body, "application/json")) == \
+        "decode answered HTTP 400 (BadRequestError, param messages)"
+    assert str(Passthrough("prefill", 404, b"not json", "text/plain")) == "prefill answered HTTP 404"
+    assert str(Passthrough("prefill", 400, b'{"error": "x"}', "application/json")) == "prefill answered HTTP 400"
 
 
 def test_urls_are_normalized_and_a_path_prefix_is_kept() -> None:
