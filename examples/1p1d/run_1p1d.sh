@@ -42,11 +42,18 @@ fi
 mkdir -p "$LOG_DIR"
 
 PIDS=()
+STOPPING=0
+HURRY=0
+on_signal() {  # the first Ctrl-C/SIGTERM/SIGHUP stops everything; one during the stop kills the servers now
+  if [[ $STOPPING == 1 ]]; then HURRY=1; return; fi
+  STOPPING=1   # at once: a second signal before cleanup runs must not start a second, full-length stop
+  exit "$1"
+}
 cleanup() {
   local rc=$?
+  STOPPING=1
   trap - EXIT
-  HURRY=0
-  trap 'HURRY=1' INT TERM HUP   # a second Ctrl-C kills now instead of leaving the servers half-stopped
+  echo "[1p1d] stopping the servers (a second Ctrl-C kills them at once)"
   for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done   # whole process groups
   for _ in $(seq 1 30); do
     [[ $HURRY == 1 ]] && break
@@ -60,9 +67,9 @@ cleanup() {
   exit "$rc"
 }
 trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-trap 'exit 129' HUP   # a closed terminal stops the servers too
+trap 'on_signal 130' INT
+trap 'on_signal 143' TERM
+trap 'on_signal 129' HUP   # a closed terminal stops the servers too
 
 start() {  # start NAME CPUS CMD...: own session/process group, log to LOG_DIR/NAME.log
   local name=$1 cpus=$2; shift 2

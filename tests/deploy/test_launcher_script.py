@@ -4,6 +4,7 @@ on a normal exit, on SIGTERM while it keeps the deployment up, and when a server
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -83,10 +84,23 @@ def test_runs_asks_and_tears_down(tmp_path: Path) -> None:
     _assert_all_gone(pids)
 
 
+def _hup_default() -> None:
+    """Under ``nohup`` (a CI runner, a detached run) SIGHUP is ignored, and bash cannot trap a signal ignored when
+    it started: the script's HUP trap would never run."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+def _kill_leftovers(pids: list[int]) -> None:
+    """A failed test must not leave its stub servers (they ignore SIGTERM) running for the rest of the suite."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _kept_up(env: dict[str, str]) -> subprocess.Popen:
     """The script with KEEP=1, once it says the deployment is up."""
     proc = subprocess.Popen(["bash", str(SCRIPT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, preexec_fn=_hup_default)
     end = time.monotonic() + 60
     for line in proc.stdout:  # type: ignore[union-attr]
         if "Ctrl-C stops everything" in line:
@@ -161,6 +175,8 @@ def test_a_second_signal_during_teardown_kills_at_once(tmp_path: Path, first: in
     try:
         pids = _all_pids(tmp_path)
         proc.send_signal(first)
+        # the second signal comes once the stop has begun (two signals bash finds pending at once run one trap)
+        assert "stopping the servers" in proc.stdout.readline()  # type: ignore[union-attr]
         time.sleep(1.0)
         assert proc.poll() is None  # waiting for the servers that ignore SIGTERM
         t0 = time.monotonic()
@@ -173,3 +189,5 @@ def test_a_second_signal_during_teardown_kills_at_once(tmp_path: Path, first: in
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        _kill_leftovers(_all_pids(tmp_path))
+
